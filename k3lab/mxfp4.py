@@ -1,0 +1,213 @@
+"""MXFP4: compressed-tensors ``mxfp4-pack-quantized`` -> ggml ``block_mxfp4``, and reference decoders.
+
+Source (compressed-tensors, per Linear):
+    weight_packed  uint8 [rows, cols/2]   byte k of a row = element 2k (low nibble) | element 2k+1 (high)
+    weight_scale   uint8 [rows, cols/32]  E8M0 biased exponent; value = e2m1(code) * 2**(e - 127)
+    code = sign << 3 | index into E2M1 {0, .5, 1, 1.5, 2, 3, 4, 6}
+
+Target (ggml type 39, 17 bytes per 32 values along a row):
+    byte 0      the same E8M0 byte
+    bytes 1..16 byte j = element j (low nibble) | element j+16 (high nibble)
+
+ggml stores the E2M1 table doubled and halves the scale, so neither the scale byte nor the codes
+change: the repack is a pure nibble permutation inside each block, and therefore lossless.
+
+Within one 32-value block with source bytes b[0..15] (b[m] holds elements 2m, 2m+1), the target
+bytes are, for m in 0..7:
+    t[2m]   = (b[m] & 0x0F) | (b[8+m] & 0x0F) << 4     elements 2m and 2m+16
+    t[2m+1] = (b[m] >> 4)   | (b[8+m] & 0xF0)          elements 2m+1 and 2m+17
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import K3LabError
+
+try:  # numba is a dependency; the numpy path keeps the module importable without it
+    import numba
+except ImportError:  # pragma: no cover
+    numba = None
+
+QK = 32  # values per block
+BLOCK_BYTES = 17  # 1 scale byte + 16 bytes of nibbles
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float64)
+
+
+class MXFP4ShapeError(K3LabError):
+    """The packed or scale array does not have the shape or dtype MXFP4 requires."""
+
+
+def row_bytes(cols: int) -> int:
+    """GGML bytes of one row of ``cols`` MXFP4 values."""
+    if cols % QK:
+        raise MXFP4ShapeError(f"MXFP4 rows need a multiple of {QK} values, got {cols}")
+    return cols // QK * BLOCK_BYTES
+
+
+def check_pair(packed: np.ndarray, scale: np.ndarray, what: str = "tensor") -> tuple[int, int]:
+    """Validate a (weight_packed, weight_scale) pair; return the logical (rows, cols)."""
+    if packed.dtype != np.uint8:
+        raise MXFP4ShapeError(f"{what}: weight_packed must be uint8, got {packed.dtype}")
+    if scale.dtype != np.uint8:
+        raise MXFP4ShapeError(f"{what}: weight_scale must be uint8 (E8M0), got {scale.dtype}")
+    if packed.ndim != 2:
+        raise MXFP4ShapeError(f"{what}: weight_packed must be 2-D [rows, cols/2], got shape {packed.shape}")
+    rows, half = packed.shape
+    cols = half * 2
+    if cols % QK:
+        raise MXFP4ShapeError(f"{what}: {cols} columns is not a multiple of {QK}")
+    if scale.shape != (rows, cols // QK):
+        raise MXFP4ShapeError(
+            f"{what}: weight_scale shape {tuple(scale.shape)} does not match weight_packed "
+            f"{tuple(packed.shape)} (expected {(rows, cols // QK)})"
+        )
+    return rows, cols
+
+
+def _repack_numpy(packed: np.ndarray, scale: np.ndarray, out: np.ndarray) -> None:
+    rows, cols = packed.shape[0], packed.shape[1] * 2
+    nb = cols // QK
+    src = packed.reshape(rows, nb, 16)
+    dst = out.reshape(rows, nb, BLOCK_BYTES)
+    lo, hi = src[:, :, :8], src[:, :, 8:]
+    dst[:, :, 0] = scale
+    dst[:, :, 1::2] = (lo & 0x0F) | (hi << 4)
+    dst[:, :, 2::2] = (lo >> 4) | (hi & 0xF0)
+
+
+if numba is not None:
+
+    @numba.njit(cache=True, nogil=True, boundscheck=False)
+    def _repack_kernel(src: np.ndarray, scale: np.ndarray, dst: np.ndarray) -> None:  # pragma: no cover
+        # src: flat uint8 (n_blocks*16); scale: flat (n_blocks); dst: flat (n_blocks*17)
+        n_blocks = scale.shape[0]
+        for blk in range(n_blocks):
+            s = blk * 16
+            d = blk * 17
+            dst[d] = scale[blk]
+            for m in range(8):
+                lo = src[s + m]
+                hi = src[s + 8 + m]
+                dst[d + 1 + 2 * m] = (lo & 0x0F) | ((hi & 0x0F) << 4)
+                dst[d + 2 + 2 * m] = (lo >> 4) | (hi & 0xF0)
+
+
+def repack_into(
+    packed: np.ndarray, scale: np.ndarray, out: np.ndarray | memoryview, what: str = "tensor"
+) -> None:
+    """Repack one matrix into ``out`` (any writable uint8 buffer of rows*row_bytes(cols) bytes)."""
+    rows, cols = check_pair(packed, scale, what)
+    dst = np.frombuffer(out, dtype=np.uint8) if not isinstance(out, np.ndarray) else out
+    dst = dst.reshape(-1)
+    need = rows * row_bytes(cols)
+    if dst.size != need:
+        raise MXFP4ShapeError(f"{what}: output buffer has {dst.size} bytes, MXFP4 needs {need}")
+    src = np.ascontiguousarray(packed).reshape(-1)
+    sc = np.ascontiguousarray(scale).reshape(-1)
+    if numba is not None and dst.flags.c_contiguous:
+        _repack_kernel(src, sc, dst)
+    else:
+        _repack_numpy(src.reshape(rows, cols // 2), sc.reshape(rows, cols // QK), dst)
+
+
+def repack(packed: np.ndarray, scale: np.ndarray, what: str = "tensor") -> np.ndarray:
+    """Repack one matrix; returns uint8 [rows, cols/32*17] (gguf-py's byte shape for MXFP4)."""
+    rows, cols = check_pair(packed, scale, what)
+    out = np.empty((rows, row_bytes(cols)), dtype=np.uint8)
+    repack_into(packed, scale, out, what)
+    return out
+
+
+def repack_experts(pairs: list[tuple[np.ndarray, np.ndarray]], what: str = "experts") -> np.ndarray:
+    """Repack a stack of experts; returns uint8 [n_expert, rows, cols/32*17]."""
+    if not pairs:
+        raise MXFP4ShapeError(f"{what}: no experts to stack")
+    rows, cols = check_pair(*pairs[0], what=f"{what}[0]")
+    out = np.empty((len(pairs), rows, row_bytes(cols)), dtype=np.uint8)
+    for e, (packed, scale) in enumerate(pairs):
+        if packed.shape != pairs[0][0].shape:
+            raise MXFP4ShapeError(
+                f"{what}[{e}]: shape {packed.shape} differs from expert 0's {pairs[0][0].shape}"
+            )
+        repack_into(packed, scale, out[e], what=f"{what}[{e}]")
+    return out
+
+
+def repack_unpack_stack(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The straightforward repack (unpack every nibble to a code array, regroup, pack again).
+
+    Kept as an independent second implementation for tests and as the benchmark's peer.
+    """
+    rows, cols = check_pair(packed, scale)
+    codes = np.empty((rows, cols), dtype=np.uint8)
+    codes[:, 0::2] = packed & 0x0F
+    codes[:, 1::2] = packed >> 4
+    blocks = codes.reshape(rows, cols // QK, QK)
+    qs = blocks[:, :, :16] | (blocks[:, :, 16:] << 4)
+    return np.concatenate([scale.reshape(rows, cols // QK, 1), qs], axis=-1).reshape(rows, -1)
+
+
+# --- reference decoders -------------------------------------------------------------------------
+
+
+def decode_codes(codes: np.ndarray) -> np.ndarray:
+    """E2M1 code (0..15) -> its value as float64 (code 8 is -0.0)."""
+    codes = np.asarray(codes, dtype=np.uint8)
+    mag = E2M1_VALUES[codes & 0x07]
+    return np.where(codes & 0x08, -mag, mag)
+
+
+def unpack_codes(packed: np.ndarray) -> np.ndarray:
+    """compressed-tensors packed bytes [.., n/2] -> codes [.., n] (element 2k is the low nibble)."""
+    codes = np.empty(packed.shape[:-1] + (packed.shape[-1] * 2,), dtype=np.uint8)
+    codes[..., 0::2] = packed & 0x0F
+    codes[..., 1::2] = packed >> 4
+    return codes
+
+
+def decode_compressed_tensors(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Dequantise compressed-tensors MXFP4 to float32 by its own definition: e2m1 * 2**(e-127).
+
+    The product is computed exactly (float64 holds every value) and rounded once to float32, so
+    e=255 with a non-zero code overflows to inf, as 2**128 does in float32 arithmetic.
+    """
+    rows, cols = check_pair(packed, scale)
+    values = decode_codes(unpack_codes(packed)).reshape(rows, cols // QK, QK)
+    exps = scale.astype(np.int32).reshape(rows, cols // QK, 1) - 127
+    with np.errstate(over="ignore"):
+        return np.ldexp(values, exps).astype(np.float32).reshape(rows, cols)
+
+
+def decode_ggml(blocks: np.ndarray, cols: int) -> np.ndarray:
+    """Dequantise ggml block_mxfp4 bytes [rows, cols/32*17] to float32, by the block layout above."""
+    rows = blocks.size // row_bytes(cols)
+    b = np.asarray(blocks, dtype=np.uint8).reshape(rows, cols // QK, BLOCK_BYTES)
+    qs = b[:, :, 1:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # elements 0..15 then 16..31
+    exps = b[:, :, :1].astype(np.int32) - 127
+    with np.errstate(over="ignore"):
+        return np.ldexp(decode_codes(codes), exps).astype(np.float32).reshape(rows, cols)
+
+
+def quantize_compressed_tensors(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float [rows, cols] -> (weight_packed, weight_scale) as compressed-tensors stores them.
+
+    Used by the synthetic checkpoint generator: shared exponent floor(log2(amax)) - 2 (E2M1's
+    largest value is 6 = 1.5 * 2**2), codes by nearest E2M1 value.
+    """
+    w = np.asarray(weights, dtype=np.float32)
+    rows, cols = w.shape
+    if cols % QK:
+        raise MXFP4ShapeError(f"{cols} columns is not a multiple of {QK}")
+    blocks = w.reshape(rows, cols // QK, QK)
+    amax = np.abs(blocks).max(axis=-1)
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 1e-38))) - 2 + 127, 0)
+    e = np.clip(e, 0, 254).astype(np.uint8)
+    scaled = blocks / np.ldexp(1.0, e.astype(np.int32) - 127)[..., None]
+    idx = np.abs(np.abs(scaled)[..., None] - E2M1_VALUES).argmin(axis=-1).astype(np.uint8)
+    codes = idx | np.where(scaled < 0, 8, 0).astype(np.uint8)
+    codes = codes.reshape(rows, cols)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    return packed, e

@@ -1,0 +1,168 @@
+"""The safetensors file format: a validated header reader and a streaming writer. Nothing model-specific.
+
+Layout: u64 little-endian header length N, N bytes of JSON (padded with spaces to 8-byte
+alignment), then the data section; each tensor's ``data_offsets`` are relative to its start.
+The reader checks what a truncated or hand-edited file gets wrong (offsets past the end,
+dtype x shape != byte length, overlapping ranges) and names the file and tensor when it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import K3LabError
+
+DTYPE_SIZE = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "E8M0": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
+}
+# numpy dtype used to *hold* the bytes (BF16 is carried as its uint16 bit pattern)
+NUMPY_DTYPE = {
+    "BOOL": np.bool_,
+    "U8": np.uint8,
+    "I8": np.int8,
+    "F8_E4M3": np.uint8,
+    "F8_E5M2": np.uint8,
+    "E8M0": np.uint8,
+    "U16": np.uint16,
+    "I16": np.int16,
+    "F16": np.float16,
+    "BF16": np.uint16,
+    "U32": np.uint32,
+    "I32": np.int32,
+    "F32": np.float32,
+    "U64": np.uint64,
+    "I64": np.int64,
+    "F64": np.float64,
+}
+MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
+
+
+class SafetensorsError(K3LabError):
+    """A safetensors file is malformed; the message names the file and, where known, the tensor."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    nbytes: int
+    file: str
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+
+def parse_header(
+    raw: bytes, file: str, file_size: int | None
+) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    """Parse a header (the bytes after the 8-byte length). Returns (entries by name, __metadata__)."""
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SafetensorsError(f"{file}: header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{file}: header is not a JSON object")
+    data_start = 8 + len(raw)
+    metadata = header.pop("__metadata__", None) or {}
+    entries: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        try:
+            dtype, shape, (begin, end) = (
+                info["dtype"],
+                tuple(int(x) for x in info["shape"]),
+                info["data_offsets"],
+            )
+        except (KeyError, TypeError, ValueError):
+            raise SafetensorsError(f"{file}: tensor {name}: header entry is malformed: {info!r}") from None
+        if dtype not in DTYPE_SIZE:
+            raise SafetensorsError(f"{file}: tensor {name}: unknown dtype {dtype!r}")
+        if any(d < 0 for d in shape) or not (0 <= begin <= end):
+            raise SafetensorsError(f"{file}: tensor {name}: bad shape {shape} or offsets [{begin}, {end}]")
+        want = math.prod(shape) * DTYPE_SIZE[dtype]
+        if end - begin != want:
+            raise SafetensorsError(
+                f"{file}: tensor {name}: {dtype} {list(shape)} needs {want} bytes, "
+                f"data_offsets span {end - begin}"
+            )
+        if file_size is not None and data_start + end > file_size:
+            raise SafetensorsError(
+                f"{file}: tensor {name}: data ends at byte {data_start + end}, "
+                f"past the end of the file ({file_size} bytes; truncated?)"
+            )
+        entries[name] = TensorEntry(name, dtype, shape, data_start + begin, end - begin, file)
+    spans = sorted((e.start, e.start + e.nbytes, e.name) for e in entries.values() if e.nbytes)
+    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
+        if start_b < end_a:
+            raise SafetensorsError(f"{file}: tensors {a} and {b} overlap")
+    return entries, metadata
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    """Read and validate the header of a local safetensors file."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise SafetensorsError(f"{path}: {size} bytes is too short for a safetensors file")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER or 8 + n > size:
+                raise SafetensorsError(f"{path}: header length {n} does not fit the file ({size} bytes)")
+            raw = fh.read(n)
+    except FileNotFoundError:
+        raise SafetensorsError(f"{path}: file not found") from None
+    return parse_header(raw, str(path), size)
+
+
+def read_tensor(entry: TensorEntry) -> np.ndarray:
+    """A tensor's bytes as a read-only memory map with its numpy holding dtype and shape."""
+    if entry.nbytes == 0:
+        return np.zeros(entry.shape, dtype=NUMPY_DTYPE[entry.dtype])
+    arr = np.memmap(entry.file, dtype=np.uint8, mode="r", offset=entry.start, shape=(entry.nbytes,))
+    return arr.view(NUMPY_DTYPE[entry.dtype]).reshape(entry.shape)
+
+
+def build_header(
+    tensors: Iterable[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None
+) -> bytes:
+    """The 8-byte length + padded JSON header for tensors laid out back to back in the given order."""
+    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape in tensors:
+        n = math.prod(shape) * DTYPE_SIZE[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def data_size(tensors: Iterable[tuple[str, str, tuple[int, ...]]]) -> int:
+    return sum(math.prod(s) * DTYPE_SIZE[d] for _, d, s in tensors)

@@ -1,0 +1,249 @@
+"""Write a synthetic Kimi-K3 checkpoint: config, index, safetensors shards, tokenizer files.
+
+Values are drawn per tensor from a seed and the tensor's name, so any shard can be written
+alone and the same seed always gives the same bytes. They are drawn to look like a trained
+model's: norms near one, fan-in scaled linears whose gain varies by layer and projection, and
+MXFP4 experts whose E8M0 scales wander by layer, projection, expert and row, with rare outlier
+blocks, and whose FP4 codes follow a bell-shaped histogram.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..config import K3Config
+from ..numerics import f32_to_bf16_bits
+from ..safetensors_format import NUMPY_DTYPE, build_header, data_size
+from . import bpe
+from .layout import TensorSpec, checkpoint_layout, shard_filename
+from .presets import N_SPECIAL, PRESETS
+
+# how often each E2M1 magnitude index 0..7 appears in a quantised Gaussian block (out of 256)
+_CODE_WEIGHTS = np.array([40, 62, 52, 36, 26, 22, 12, 6])
+_NIBBLE_LUT = np.repeat(np.arange(8, dtype=np.uint8), _CODE_WEIGHTS)
+_PROJ_GAIN = {
+    "q": 1.0,
+    "k": 0.9,
+    "v": 1.1,
+    "o": 0.8,
+    "g": 1.2,
+    "gate": 1.0,
+    "up": 0.9,
+    "down": 0.7,
+    "w1": 1.0,
+    "w2": 0.75,
+    "w3": 0.9,
+}
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def _layer_of(name: str) -> int:
+    m = re.search(r"\.layers\.(\d+)\.|blocks\.(\d+)\.", name)
+    return int(next(g for g in m.groups() if g is not None)) if m else 0
+
+
+def _gain(name: str) -> float:
+    layer = _layer_of(name)
+    proj = next((p for p in _PROJ_GAIN if re.search(rf"[._]{p}[._]", name)), "o")
+    return _PROJ_GAIN[proj] * (0.75 + 0.5 * (0.5 + 0.5 * np.sin(0.9 * layer + 1.3)))
+
+
+def _mxfp4_scale(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
+    rows, nblk = spec.shape
+    cols = nblk * 32
+    # amax of a block of 32 Gaussian weights with std gain/sqrt(fan_in) is ~2.5 std
+    centre = 127 + np.log2(2.5 * _gain(spec.name) / np.sqrt(cols)) - 2
+    expert = int(re.search(r"experts\.(\d+)\.", spec.name).group(1))
+    centre += 0.6 * np.sin(expert * 2.1)  # experts differ
+    row = rng.normal(0.0, 0.7, size=(rows, 1))  # rows differ
+    e = np.rint(centre + row + rng.normal(0.0, 0.45, size=(rows, nblk)))
+    outliers = rng.random((rows, nblk)) < 2e-4  # rare blocks far from the rest
+    e = np.where(outliers, e + rng.choice([-40, -12, 9, 14], size=(rows, nblk)), e)
+    return np.clip(e, 0, 254).astype(np.uint8)
+
+
+def _mxfp4_packed(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
+    n = int(np.prod(spec.shape))
+    lo = _NIBBLE_LUT[rng.integers(0, 256, size=n, dtype=np.uint8)] | (
+        rng.integers(0, 2, n, dtype=np.uint8) << 3
+    )
+    hi = _NIBBLE_LUT[rng.integers(0, 256, size=n, dtype=np.uint8)] | (
+        rng.integers(0, 2, n, dtype=np.uint8) << 3
+    )
+    return (lo | (hi << 4)).reshape(spec.shape)
+
+
+def tensor_values(spec: TensorSpec, seed: int) -> np.ndarray:
+    """The synthetic tensor, in its safetensors holding dtype (BF16 as uint16 bits)."""
+    rng = _rng(seed, spec.name)
+    if spec.kind == "mxfp4_packed":
+        return _mxfp4_packed(spec, rng)
+    if spec.kind == "mxfp4_scale":
+        return _mxfp4_scale(spec, rng)
+    shape = spec.shape
+    layer = _layer_of(spec.name)
+    if spec.kind == "linear":
+        fan_in = int(np.prod(shape[1:]))
+        x = rng.standard_normal(shape) * (_gain(spec.name) / np.sqrt(fan_in))
+    elif spec.kind == "norm":
+        x = 1.0 + 0.05 * layer / 8 + 0.08 * rng.standard_normal(shape)
+    elif spec.kind == "embed":
+        x = 0.5 * rng.standard_normal(shape)
+    elif spec.kind == "res_proj":
+        x = 0.5 * rng.standard_normal(shape)
+    elif spec.kind == "conv":
+        x = rng.standard_normal(shape) * 0.4
+    elif spec.kind == "a_log":
+        x = np.log(rng.uniform(1.0, 16.0, size=shape))
+    elif spec.kind == "dt_bias":
+        x = rng.normal(-1.0, 0.5, size=shape)
+    elif spec.kind == "bias":
+        x = rng.normal(0.0, 0.02, size=shape)
+    elif spec.kind in ("patch", "pos"):
+        x = rng.standard_normal(shape) * 0.02
+    else:  # pragma: no cover - a layout bug
+        raise ValueError(f"unknown tensor kind {spec.kind!r} for {spec.name}")
+    x = x.astype(np.float32)
+    if spec.dtype == "BF16":
+        return f32_to_bf16_bits(x)
+    return x.astype(NUMPY_DTYPE[spec.dtype])
+
+
+# --- tokenizer files ---------------------------------------------------------------------------
+
+SPECIAL_NAMES = {
+    0: "[BOS]",
+    1: "[EOS]",
+    2: "<|end_of_msg|>",
+    3: "<|open|>",
+    4: "<|close|>",
+    5: "<|sep|>",
+    6: "<|im_system|>",
+    7: "<|im_user|>",
+    8: "<|im_assistant|>",
+    21: "<|media_pad|>",
+    254: "[UNK]",
+    255: "[PAD]",
+}
+
+
+def special_tokens(first_id: int) -> dict[int, str]:
+    """The 256 special tokens at the top of the vocabulary, by id."""
+    return {first_id + k: SPECIAL_NAMES.get(k, f"<|reserved_token_{k}|>") for k in range(N_SPECIAL)}
+
+
+def extend_vocab(vocab: list[bytes], n_ranks: int, seed: int) -> list[bytes]:
+    """Grow a BPE vocabulary to n_ranks by merging random pairs of existing tokens.
+
+    Every new token is the concatenation of two earlier ones, so the vocabulary stays a valid BPE
+    vocabulary of the real size (for the full preset and the tokenizer benchmark).
+    """
+    rng = np.random.default_rng(seed)
+    out, seen = list(vocab), set(vocab)
+    base = len(vocab)
+    while len(out) < n_ranks:
+        for a, b in zip(
+            rng.integers(0, len(out), size=8192).tolist(), rng.integers(0, base, size=8192).tolist()
+        ):
+            tok = out[a] + out[b]
+            if len(tok) <= 16 and tok not in seen:
+                seen.add(tok)
+                out.append(tok)
+                if len(out) == n_ranks:
+                    break
+    return out
+
+
+def write_tokenizer_files(out: Path, cfg: K3Config, seed: int) -> None:
+    n_ranks = cfg.n_vocab - N_SPECIAL
+    vocab = [base64.b64decode(line.split()[0]) for line in bpe.shipped_tiktoken().splitlines()]
+    if n_ranks > len(vocab):
+        vocab = extend_vocab(vocab, n_ranks, seed)
+    (out / "tiktoken.model").write_text(bpe.format_tiktoken(vocab[:n_ranks]), encoding="ascii")
+    specials = special_tokens(n_ranks)
+    tok_cfg = {
+        "added_tokens_decoder": {
+            str(i): {
+                "content": s,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for i, s in specials.items()
+        },
+        "bos_token": specials[n_ranks],
+        "eos_token": specials[n_ranks + 1],
+        "pad_token": specials[n_ranks + 255],
+        "unk_token": specials[n_ranks + 254],
+        "model_max_length": cfg["max_position_embeddings"],
+        "tokenizer_class": "TikTokenTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n", encoding="utf-8")
+
+
+# --- checkpoint -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SynthResult:
+    out: Path
+    preset: str
+    n_shards: int
+    n_tensors: int
+    data_bytes: int  # logical size of all tensor data
+    disk_bytes: int  # real blocks used (sparse for the full preset)
+
+
+def _disk_usage(root: Path) -> int:
+    return sum(p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
+
+
+def synthesize(preset: str, out: str | os.PathLike, seed: int = 0, experts: int | None = None) -> SynthResult:
+    """Write the `preset` checkpoint to `out`. The `full` preset writes headers and leaves data as holes."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    raw = PRESETS[preset]()
+    if experts:
+        t = raw["text_config"]
+        t["num_experts"] = experts
+        t["num_experts_per_token"] = min(t["num_experts_per_token"], experts)
+    cfg = K3Config.from_dict(raw)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
+    sparse = preset == "full"
+    shards = checkpoint_layout(cfg)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for k, specs in enumerate(shards, start=1):
+        fname = shard_filename(k, len(shards))
+        entries = [(s.name, s.dtype, s.shape) for s in specs]
+        header = build_header(entries)
+        size = data_size(entries)
+        with open(out / fname, "wb") as fh:
+            fh.write(header)
+            if sparse:
+                fh.truncate(len(header) + size)
+            else:
+                for spec in specs:
+                    fh.write(np.ascontiguousarray(tensor_values(spec, seed)).tobytes())
+        weight_map.update({s.name: fname for s in specs})
+        total += size
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    write_tokenizer_files(out, cfg, seed)
+    return SynthResult(out, preset, len(shards), len(weight_map), total, _disk_usage(out))

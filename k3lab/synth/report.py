@@ -1,0 +1,44 @@
+"""A human-readable summary of a synthetic checkpoint (what `k3lab synth` prints)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+from ..safetensors_format import read_header
+from .generate import SynthResult
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def describe(result: SynthResult, max_rows: int = 12) -> str:
+    index = json.loads((result.out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    lines = [
+        f"synthetic Kimi-K3 '{result.preset}' checkpoint in {result.out}",
+        f"{'shard':<36} {'tensors':>8} {'bytes':>12}  dtypes",
+    ]
+    for i, fname in enumerate(files):
+        if i == max_rows // 2 and len(files) > max_rows:
+            lines.append(f"{'...':<36} ({len(files) - max_rows} more shards)")
+        if max_rows // 2 <= i < len(files) - max_rows // 2 and len(files) > max_rows:
+            continue
+        entries, _ = read_header(result.out / fname)
+        dtypes = Counter(e.dtype for e in entries.values())
+        size = sum(e.nbytes for e in entries.values())
+        lines.append(
+            f"{fname:<36} {len(entries):>8} {human_bytes(size):>12}  "
+            + ", ".join(f"{k}:{v}" for k, v in sorted(dtypes.items()))
+        )
+    lines.append(
+        f"{result.n_shards} shards, {result.n_tensors} tensors, {human_bytes(result.data_bytes)} of "
+        f"tensor data, {human_bytes(result.disk_bytes)} on disk; tokenizer: tiktoken.model + "
+        "tokenizer_config.json"
+    )
+    return "\n".join(lines)
