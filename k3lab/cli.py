@@ -24,6 +24,13 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.workdir, seed=args.seed, jobs=args.jobs)
 
 
+def _tokenizer(args: argparse.Namespace) -> int:
+    from .tokenizer import write_tokenizer_gguf
+
+    print(write_tokenizer_gguf(args.meta, args.out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .synth import PRESETS
 
@@ -36,6 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--experts", type=int, default=None, help="override the number of routed experts")
     s.set_defaults(func=_synth)
+
+    t = sub.add_parser(
+        "tokenizer", help="the vocabulary and hyperparameters as a standalone GGUF (no tensors)"
+    )
+    t.add_argument(
+        "--meta", required=True, help="folder with config.json, tiktoken.model, tokenizer_config.json"
+    )
+    t.add_argument("--out", required=True, help="output .gguf")
+    t.set_defaults(func=_tokenizer)
 
     d = sub.add_parser("demo", help="the main job, end to end, on the built-in tiny model")
     d.add_argument("--workdir", default="k3-demo", help="where the demo writes (default: ./k3-demo)")

@@ -1,0 +1,151 @@
+"""Streaming GGUF writing: header, KV and tensor infos through gguf-py's GGUFWriter, then tensor
+data one tensor (or one piece of a tensor) at a time, hashed as it goes. Nothing model-specific.
+
+gguf-py's ``add_tensor`` keeps every tensor in memory until the write; here tensor infos are
+declared first and the data is streamed in declared order, so memory stays bounded by the
+largest piece a caller hands over. The file is written as ``NAME.partial``, fsynced, then
+renamed: a final path only ever holds a complete file, and a failure leaves nothing there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
+
+from .arch import KV
+
+ALIGNMENT = 32  # GGUF default
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    type: GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy order (outermost first); GGUF's ne is the reverse
+
+    @property
+    def ne(self) -> tuple[int, ...]:
+        return tuple(reversed(self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        block, type_size = GGML_QUANT_SIZES[self.type]
+        n = 1
+        for d in self.shape:
+            n *= d
+        if self.shape[-1] % block:
+            raise ValueError(
+                f"{self.name}: last dim {self.shape[-1]} is not a multiple of {self.type.name}'s "
+                f"block of {block}"
+            )
+        return n // block * type_size
+
+
+def split_kvs(split_no: int, split_count: int, tensors_total: int) -> list[KV]:
+    """The keys that make a file one member of a llama.cpp split set."""
+    return [
+        KV("split.no", split_no, GGUFValueType.UINT16),
+        KV("split.count", split_count, GGUFValueType.UINT16),
+        KV("split.tensors.count", tensors_total, GGUFValueType.INT32),
+    ]
+
+
+class GGUFStream:
+    """Write one GGUF file: ``with GGUFStream(path, arch, kvs, infos) as g: g.write(name, pieces)``."""
+
+    def __init__(self, path: str | os.PathLike, arch: str, kvs: Sequence[KV], infos: Sequence[TensorInfo]):
+        self.path = Path(path)
+        self.partial = self.path.with_name(self.path.name + ".partial")
+        self.infos = list(infos)
+        self._next = 0
+        self.hashes: dict[str, str] = {}
+        self._writer = GGUFWriter(self.partial, arch)
+        for kv in kvs:
+            if kv.full_key == "general.architecture":
+                continue  # GGUFWriter adds it
+            self._writer.add_key_value(kv.full_key, kv.value, kv.type, sub_type=kv.sub_type)
+        for ti in self.infos:
+            # the placeholder dtype only tells GGUFWriter "not raw bytes": shape is taken as given
+            self._writer.add_tensor_info(
+                ti.name, ti.shape, np.dtype(np.float32), ti.nbytes, raw_dtype=ti.type
+            )
+
+    def __enter__(self) -> GGUFStream:
+        self.partial.parent.mkdir(parents=True, exist_ok=True)
+        self._writer.write_header_to_file(self.partial)
+        self._writer.write_kv_data_to_file()
+        self._writer.write_ti_data_to_file()
+        self._fh = self._writer.fout[0]
+        return self
+
+    def write(self, name: str, pieces: Iterable[bytes | bytearray | memoryview | np.ndarray]) -> str:
+        """Stream tensor ``name`` (the next declared one) from byte pieces; returns its SHA-256."""
+        ti = self.infos[self._next]
+        if ti.name != name:
+            raise ValueError(f"{self.path.name}: expected tensor {ti.name}, got {name}")
+        fh = self._fh
+        pad = -fh.tell() % ALIGNMENT
+        if pad:
+            fh.write(b"\0" * pad)
+        h, n = hashlib.sha256(), 0
+        for piece in pieces:
+            mv = (
+                memoryview(piece).cast("B")
+                if not isinstance(piece, np.ndarray)
+                else memoryview(np.ascontiguousarray(piece)).cast("B")
+            )
+            h.update(mv)
+            fh.write(mv)
+            n += mv.nbytes
+        if n != ti.nbytes:
+            raise ValueError(f"{self.path.name}: tensor {name}: wrote {n} bytes, declared {ti.nbytes}")
+        self._next += 1
+        self.hashes[name] = h.hexdigest()
+        return self.hashes[name]
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        fh = self._fh
+        try:
+            if exc_type is None:
+                if self._next != len(self.infos):
+                    raise ValueError(
+                        f"{self.path.name}: {len(self.infos) - self._next} declared tensors not written"
+                    )
+                pad = -fh.tell() % ALIGNMENT
+                if pad and self.infos:
+                    fh.write(b"\0" * pad)
+                fh.flush()
+                os.fsync(fh.fileno())
+        finally:
+            fh.close()
+            self._writer.fout = None
+        if exc_type is None:
+            os.replace(self.partial, self.path)
+            _fsync_dir(self.path.parent)
+        else:
+            self.partial.unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_metadata_only(path: str | os.PathLike, arch: str, kvs: Sequence[KV]) -> Path:
+    """A GGUF with KV metadata and no tensors (the standalone tokenizer file)."""
+    with GGUFStream(path, arch, kvs, []) as g:
+        pass
+    return g.path

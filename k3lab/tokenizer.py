@@ -1,0 +1,435 @@
+"""Kimi's tiktoken vocabulary -> the GGUF vocabulary llama.cpp's BPE tokenizer (pre ``kimi-k2``) reads.
+
+From the files alone (``tiktoken.model``, ``tokenizer_config.json``, ``config.json``), without
+transformers or the repo's remote code:
+
+- token strings in GPT-2's byte-level unicode form; the 256 specials verbatim; holes ``[PADi]``;
+- token types: normal, control (specials), unused (holes);
+- merges recovered from the ranks. The definition (upstream's): for each multi-byte token, run
+  BPE on its bytes allowing only lower ranks; if that ends in two parts, they are its merge.
+  ``merges_reference`` is that definition written plainly; ``bpe_merges`` computes the same
+  list in compiled code (a hash table over all tokens, then the same greedy loop per token);
+- special ids: eos is the config's ``<|end_of_msg|>``, not ``[EOS]``.
+"""
+
+from __future__ import annotations
+
+import binascii
+import functools
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .arch import KV
+from .config import K3Config
+from .errors import K3LabError
+
+try:
+    import numba
+except ImportError:  # pragma: no cover
+    numba = None
+
+from gguf import GGUFValueType
+
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5  # gguf TokenType
+PRE_TOKENIZER = "kimi-k2"
+
+
+class TokenizerError(K3LabError):
+    """tiktoken.model or tokenizer_config.json is malformed."""
+
+
+def read_tiktoken(path: str | Path) -> list[bytes]:
+    """Read ``tiktoken.model`` (``base64 rank`` per line); returns the tokens in rank order."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise TokenizerError(f"{path}: not found") from None
+    tokens = _read_tiktoken_fast(data)
+    if tokens is None:  # something is off: the line-by-line reader names the line
+        tokens = _read_tiktoken_checked(path, data.splitlines())
+    missing_bytes = set(range(256)) - {t[0] for t in tokens if len(t) == 1}
+    if missing_bytes:
+        raise TokenizerError(
+            f"{path}: byte 0x{min(missing_bytes):02x} has no token; byte-level BPE needs all 256"
+        )
+    return tokens
+
+
+def _read_tiktoken_fast(data: bytes) -> list[bytes] | None:
+    """The well-formed case in bulk: ranks 0..n-1 in order, distinct tokens. None if not that."""
+    fields = data.split()
+    lines = data.splitlines()
+    if len(fields) != 2 * (len(lines) - lines.count(b"")) or any(not ln.strip() for ln in lines if ln):
+        return None
+    try:
+        tokens = list(map(functools.partial(binascii.a2b_base64, strict_mode=True), fields[0::2]))
+        ranks = list(map(int, fields[1::2]))
+    except (binascii.Error, ValueError):
+        return None
+    if ranks != list(range(len(ranks))) or len(set(tokens)) != len(tokens):
+        return None
+    return tokens
+
+
+def _read_tiktoken_checked(path: Path, lines: list[bytes]) -> list[bytes]:
+    by_rank: dict[int, bytes] = {}
+    first_line: dict[bytes, int] = {}
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            raise TokenizerError(f"{path}:{lineno}: expected 'base64-token rank', got {line[:60]!r}")
+        try:
+            token = binascii.a2b_base64(parts[0], strict_mode=True)
+        except (binascii.Error, ValueError):
+            raise TokenizerError(
+                f"{path}:{lineno}: bad base64 {parts[0][:40].decode(errors='replace')!r}"
+            ) from None
+        try:
+            rank = int(parts[1])
+        except ValueError:
+            raise TokenizerError(f"{path}:{lineno}: rank {parts[1][:20]!r} is not an integer") from None
+        if rank in by_rank:
+            raise TokenizerError(f"{path}:{lineno}: duplicate rank {rank}")
+        if token in first_line:
+            raise TokenizerError(
+                f"{path}:{lineno}: token {token!r} already has a rank (line {first_line[token]})"
+            )
+        by_rank[rank] = token
+        first_line[token] = lineno
+    n = len(by_rank)
+    if n and (min(by_rank) != 0 or max(by_rank) != n - 1):
+        missing = next(r for r in range(max(by_rank) + 1) if r not in by_rank)
+        line_after = next((first_line[by_rank[r]] for r in sorted(by_rank) if r > missing), len(lines))
+        raise TokenizerError(f"{path}:{line_after}: gap in ranks: rank {missing} is missing")
+    return [by_rank[r] for r in range(n)]
+
+
+def read_specials(path: str | Path) -> tuple[dict[int, str], dict]:
+    """The special tokens of ``tokenizer_config.json`` (``added_tokens_decoder``) and the whole config."""
+    path = Path(path)
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise TokenizerError(f"{path}: not found") from None
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    decoder = cfg.get("added_tokens_decoder") or {}
+    try:
+        return {int(i): d["content"] for i, d in decoder.items()}, cfg
+    except (KeyError, TypeError, ValueError):
+        raise TokenizerError(
+            f"{path}: added_tokens_decoder entries need an integer id and a 'content'"
+        ) from None
+
+
+# --- byte-level unicode (GPT-2): every byte gets a printable character ---------------------------
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+BYTE_TO_UNICODE = _byte_to_unicode()
+_TRANSLATE = {b: c for b, c in BYTE_TO_UNICODE.items()}
+
+
+def token_to_unicode(token: bytes) -> str:
+    return token.decode("latin-1").translate(_TRANSLATE)
+
+
+def tokens_to_unicode(tokens: list[bytes]) -> list[str]:
+    """token_to_unicode over a whole vocabulary: one translate of the joined bytes, then slices."""
+    text = b"".join(tokens).decode("latin-1").translate(_TRANSLATE)
+    ends = list(itertools.accumulate(map(len, tokens)))  # one character per byte
+    return [text[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+
+
+# --- merges ---------------------------------------------------------------------------------------
+
+
+def _bpe_reference(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
+    parts = [bytes([b]) for b in token]
+    while True:
+        best_i, best_rank = -1, None
+        for i in range(len(parts) - 1):
+            r = ranks.get(parts[i] + parts[i + 1])
+            if r is not None and (best_rank is None or r < best_rank):
+                best_i, best_rank = i, r
+        if best_rank is None or best_rank >= max_rank:
+            return parts
+        parts[best_i : best_i + 2] = [parts[best_i] + parts[best_i + 1]]
+
+
+def merges_reference(tokens: list[bytes]) -> list[tuple[bytes, bytes]]:
+    """The definition, plainly: per token, BPE on its bytes with only lower ranks; two parts -> a merge."""
+    ranks = {t: r for r, t in enumerate(tokens)}
+    merges = []
+    for rank, token in enumerate(tokens):
+        if len(token) > 1:
+            parts = _bpe_reference(ranks, token, rank)
+            if len(parts) == 2:
+                merges.append((parts[0], parts[1]))
+    return merges
+
+
+if numba is not None:
+    # Byte strings are found by a polynomial hash: with prefix hashes of the token being split,
+    # the hash of any span costs O(1), so a miss (most lookups) never touches the bytes. A hit is
+    # confirmed byte by byte, so the result is exact whatever the hash does.
+    _B = np.uint64(0x100000001B3)
+
+    @numba.njit(cache=True, inline="always")
+    def _mix(h):  # pragma: no cover - compiled
+        """splitmix64's finaliser: the polynomial hash of a short string has empty high bits."""
+        h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return h ^ (h >> np.uint64(31))
+
+    @numba.njit(cache=True, inline="always")
+    def _slot(h, mask):  # pragma: no cover - compiled
+        return _mix(h) & mask
+
+    @numba.njit(cache=True, inline="always")
+    def _find(buf, offs, table, bits, mask, h, start, end):  # pragma: no cover - compiled
+        """Rank of buf[start:end] (whose hash is h), or -1. table[slot] = (hash, rank);
+        ``bits`` is a bitset of all token hashes that stays in cache and answers most misses at once."""
+        bit = _mix(h) >> np.uint64(41)
+        if not (bits[bit >> np.uint64(6)] >> (bit & np.uint64(63))) & np.uint64(1):
+            return -1
+        slot = _slot(h, mask)
+        while True:
+            r = np.int64(table[slot, 1])
+            if r < 0:
+                return -1
+            if table[slot, 0] == h and offs[r + 1] - offs[r] == end - start:
+                o, same = offs[r], True
+                for i in range(end - start):
+                    if buf[o + i] != buf[start + i]:
+                        same = False
+                        break
+                if same:
+                    return r
+            slot = (slot + np.uint64(1)) & mask
+
+    @numba.njit(cache=True)
+    def _merges_kernel(buf, offs):  # pragma: no cover - compiled
+        n_tok = offs.shape[0] - 1
+        max_len = 1
+        for r in range(n_tok):
+            max_len = max(max_len, offs[r + 1] - offs[r])
+        power = np.empty(max_len + 1, dtype=np.uint64)
+        power[0] = 1
+        for i in range(max_len):
+            power[i + 1] = power[i] * _B
+        hashes = np.empty(n_tok, dtype=np.uint64)
+        for r in range(n_tok):
+            h = np.uint64(0)
+            for i in range(offs[r], offs[r + 1]):
+                h = h * _B + np.uint64(buf[i]) + np.uint64(1)
+            hashes[r] = h
+        cap = 1
+        while cap < 2 * n_tok:
+            cap *= 2
+        mask = np.uint64(cap - 1)
+        table = np.zeros((cap, 2), dtype=np.uint64)
+        table[:, 1] = np.uint64(0xFFFFFFFFFFFFFFFF)  # empty: rank reads as -1
+        for r in range(n_tok):
+            slot = _slot(hashes[r], mask)
+            while np.int64(table[slot, 1]) >= 0:
+                slot = (slot + np.uint64(1)) & mask
+            table[slot, 0] = hashes[r]
+            table[slot, 1] = r
+        bits = np.zeros(1 << 17, dtype=np.uint64)  # 2**23 bits, 1 MiB
+        for r in range(n_tok):
+            bit = _mix(hashes[r]) >> np.uint64(41)
+            bits[bit >> np.uint64(6)] |= np.uint64(1) << (bit & np.uint64(63))
+        left = np.full(n_tok, -1, dtype=np.int64)  # ranks of a token's two merge parts, or -1
+        right = np.full(n_tok, -1, dtype=np.int64)
+        prefix = np.empty(max_len + 1, dtype=np.uint64)
+        bounds = np.empty(max_len + 1, dtype=np.int64)  # parts are [bounds[i], bounds[i+1])
+        pair_rank = np.empty(max_len, dtype=np.int64)  # rank of parts i and i+1 joined, or -1
+        for r in range(n_tok):
+            start, n = offs[r], offs[r + 1] - offs[r]
+            if n < 2:
+                continue
+            prefix[0] = 0
+            for i in range(n):
+                prefix[i + 1] = prefix[i] * _B + np.uint64(buf[start + i]) + np.uint64(1)
+                bounds[i] = i
+            bounds[n] = n
+            n_parts = n
+            for i in range(n_parts - 1):
+                a, b = bounds[i], bounds[i + 2]
+                pair_rank[i] = _find(
+                    buf, offs, table, bits, mask, prefix[b] - prefix[a] * power[b - a], start + a, start + b
+                )
+            while n_parts > 1:
+                best, best_i = -1, -1
+                for i in range(n_parts - 1):
+                    pr = pair_rank[i]
+                    if pr >= 0 and (best < 0 or pr < best):
+                        best, best_i = pr, i
+                if best < 0 or best >= r:
+                    break
+                for i in range(best_i + 1, n_parts):  # drop the boundary between the merged parts
+                    bounds[i] = bounds[i + 1]
+                for i in range(best_i, n_parts - 2):
+                    pair_rank[i] = pair_rank[i + 1]
+                n_parts -= 1
+                for i in (best_i - 1, best_i):
+                    if 0 <= i < n_parts - 1:
+                        a, b = bounds[i], bounds[i + 2]
+                        pair_rank[i] = _find(
+                            buf,
+                            offs,
+                            table,
+                            bits,
+                            mask,
+                            prefix[b] - prefix[a] * power[b - a],
+                            start + a,
+                            start + b,
+                        )
+            if n_parts == 2:
+                m = bounds[1]
+                left[r] = _find(buf, offs, table, bits, mask, prefix[m], start, start + m)
+                right[r] = _find(
+                    buf, offs, table, bits, mask, prefix[n] - prefix[m] * power[n - m], start + m, start + n
+                )
+        return left, right
+
+
+def bpe_merge_ranks(tokens: list[bytes]) -> list[tuple[int, int]]:
+    """The merges as (left rank, right rank) pairs, in the order of the merged token's rank."""
+    if numba is None:  # pragma: no cover
+        ranks = {t: r for r, t in enumerate(tokens)}
+        return [(ranks[a], ranks[b]) for a, b in merges_reference(tokens)]
+    lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
+    offs = np.zeros(len(tokens) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offs[1:])
+    buf = np.frombuffer(b"".join(tokens), dtype=np.uint8)
+    left, right = _merges_kernel(buf, offs)
+    keep = left >= 0
+    return list(zip(left[keep].tolist(), right[keep].tolist()))
+
+
+def bpe_merges(tokens: list[bytes]) -> list[tuple[bytes, bytes]]:
+    """The same merges as ``merges_reference``, computed in compiled code."""
+    return [(tokens[a], tokens[b]) for a, b in bpe_merge_ranks(tokens)]
+
+
+# --- the GGUF vocabulary --------------------------------------------------------------------------
+
+
+@dataclass
+class Vocabulary:
+    tokens: list[str]
+    types: list[int]
+    merges: list[str]
+    bos_id: int | None
+    eos_id: int | None
+    pad_id: int | None
+    unk_id: int | None
+    chat_template: str | None = None
+    specials: dict[int, str] = field(default_factory=dict)
+
+    def kvs(self) -> list[KV]:
+        S, U32, ARR = GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.ARRAY
+        kvs = [
+            KV("tokenizer.ggml.model", "gpt2", S),
+            KV("tokenizer.ggml.pre", PRE_TOKENIZER, S),
+            KV("tokenizer.ggml.tokens", self.tokens, ARR, S),
+            KV("tokenizer.ggml.token_type", self.types, ARR, GGUFValueType.INT32),
+            KV("tokenizer.ggml.merges", self.merges, ARR, S),
+        ]
+        for key, value in (
+            ("bos", self.bos_id),
+            ("eos", self.eos_id),
+            ("unknown", self.unk_id),
+            ("padding", self.pad_id),
+        ):
+            if value is not None:
+                kvs.append(KV(f"tokenizer.ggml.{key}_token_id", value, U32))
+        kvs += [
+            KV("tokenizer.ggml.add_bos_token", False, GGUFValueType.BOOL),
+            KV("tokenizer.ggml.add_eos_token", False, GGUFValueType.BOOL),
+        ]
+        if self.chat_template:
+            kvs.append(KV("tokenizer.chat_template", self.chat_template, S))
+        return kvs
+
+
+def build_vocabulary(meta_dir: str | Path, cfg: K3Config | None = None) -> Vocabulary:
+    """Read the tokenizer files in ``meta_dir`` and build the GGUF vocabulary."""
+    meta_dir = Path(meta_dir)
+    cfg = cfg or K3Config.load(meta_dir)
+    ranked = read_tiktoken(meta_dir / "tiktoken.model")
+    specials, tok_cfg = read_specials(meta_dir / "tokenizer_config.json")
+    n_vocab = cfg.n_vocab
+    path = meta_dir / "tokenizer_config.json"
+    clash = [i for i in specials if i < len(ranked)]
+    if clash:
+        raise TokenizerError(f"{path}: special token id {clash[0]} collides with a tiktoken rank")
+    over = [i for i in specials if i >= n_vocab]
+    if over or len(ranked) > n_vocab:
+        raise TokenizerError(
+            f"{path}: token id {over[0] if over else len(ranked) - 1} is beyond "
+            f"vocab_size {n_vocab} of {cfg.path}"
+        )
+    as_unicode = tokens_to_unicode(ranked)
+    # a merge's two parts are themselves ranked tokens, so their strings are already made
+    merges = [f"{as_unicode[a]} {as_unicode[b]}" for a, b in bpe_merge_ranks(ranked)]
+    tokens = as_unicode + [f"[PAD{i}]" for i in range(len(ranked), n_vocab)]
+    types = [TOKEN_NORMAL] * len(ranked) + [TOKEN_UNUSED] * (n_vocab - len(ranked))
+    for i, content in specials.items():
+        tokens[i], types[i] = content, TOKEN_CONTROL
+    by_content = {c: i for i, c in specials.items()}
+
+    def special_id(key: str) -> int | None:
+        value = tok_cfg.get(key)
+        content = value.get("content") if isinstance(value, dict) else value
+        return by_content.get(content) if content is not None else None
+
+    def pick(config_key: str, tok_key: str) -> int | None:
+        return cfg.token_id(config_key) if cfg.token_id(config_key) is not None else special_id(tok_key)
+
+    return Vocabulary(
+        tokens=tokens,
+        types=types,
+        merges=merges,
+        bos_id=pick("bos_token_id", "bos_token"),
+        eos_id=pick("eos_token_id", "eos_token"),  # K3: <|end_of_msg|>, the end of a turn
+        pad_id=pick("pad_token_id", "pad_token"),
+        unk_id=special_id("unk_token"),
+        chat_template=tok_cfg.get("chat_template") if isinstance(tok_cfg.get("chat_template"), str) else None,
+        specials=specials,
+    )
+
+
+def write_tokenizer_gguf(meta_dir: str | Path, out: str | Path) -> Path:
+    """A standalone GGUF: the vocabulary plus every ``kimi-k3.*`` hyperparameter, no tensors."""
+    from .arch import ARCH, general, hyperparameters
+    from .gguf_io import write_metadata_only
+
+    cfg = K3Config.load(meta_dir)
+    vocab = build_vocabulary(meta_dir, cfg)
+    kvs = general(cfg, "Kimi-K3 tokenizer", "MXFP4_MOE" if cfg.is_mxfp4 else "BF16")
+    return write_metadata_only(out, ARCH, kvs + hyperparameters(cfg) + vocab.kvs())

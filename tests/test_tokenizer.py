@@ -1,0 +1,148 @@
+"""The GGUF vocabulary: llama.cpp tokenizes exactly like tiktoken; merges equal the definition."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import pytest
+import tiktoken
+from llama_support import detokenize, needs_llama
+
+from k3lab.cli import main
+from k3lab.synth.bpe import KIMI_PAT_STR
+from k3lab.synth.generate import extend_vocab
+from k3lab.tokenizer import (
+    TokenizerError,
+    bpe_merges,
+    build_vocabulary,
+    merges_reference,
+    read_tiktoken,
+    token_to_unicode,
+    write_tokenizer_gguf,
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def repack(packed, scale):\n    return np.concatenate([scale, packed], axis=-1)\n",
+    "for (int i = 0; i < n; ++i) { sum += x[i] * y[i]; }",
+    "Numbers: 1 12 123 1234 12345 3.14159 1,000,000 2026-11-29",
+    "   leading spaces, trailing spaces   \n\n\n\tand\ttabs\r\n  \n",
+    "人工智能正在改变世界。我们的模型可以理解中文、英文和代码。",
+    "中文和English混合的句子，例如：我喜欢用Python写代码。",
+    "日本語のテキスト、한국어 문장, Русский текст, Ελληνικά, العربية",
+    "Emoji 🙂😀🚀✨🎉👍 and symbols © ® ™ € £ ¥ ≤ ≥ ≠ ∞",
+    "Contractions: it's, we've, they're, I'm, you'll, he'd, DON'T, WE'LL",
+    "café naïve résumé São Paulo Zürich Ångström jalapeño",
+    "https://example.com/models/kimi-k3?revision=main&file=config.json",
+    "",
+    " ",
+    "\n",
+]
+
+
+def _encoding(src: Path) -> tiktoken.Encoding:
+    ranks = {
+        base64.b64decode(t): int(r)
+        for t, r in (line.split() for line in (src / "tiktoken.model").read_text().splitlines())
+    }
+    return tiktoken.Encoding("kimi-synth", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens={})
+
+
+@pytest.fixture(scope="module")
+def tokenizer_gguf(tiny_src: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tok") / "Kimi-K3-tokenizer.gguf"
+    assert main(["tokenizer", "--meta", str(tiny_src), "--out", str(out)]) == 0
+    return out
+
+
+@needs_llama
+def test_llama_cpp_tokenizes_like_tiktoken(tiny_src: Path, tokenizer_gguf: Path) -> None:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(tokenizer_gguf), vocab_only=True, verbose=False)
+    enc = _encoding(tiny_src)
+    for text in CORPUS:
+        expected = enc.encode(text)
+        got = llm.tokenize(text.encode(), add_bos=False, special=False)
+        assert got == expected, text
+        assert detokenize(llm, got).decode() == text
+    assert llm.token_eos() == 1792 - 256 + 2  # <|end_of_msg|>, from config.json
+    assert llm.token_bos() == 1792 - 256
+
+
+def test_gguf_vocabulary_contents(tiny_src: Path, tokenizer_gguf: Path) -> None:
+    r = gguf.GGUFReader(tokenizer_gguf)
+    assert len(r.tensors) == 0
+    f = r.fields
+    assert f["tokenizer.ggml.model"].contents() == "gpt2"
+    assert f["tokenizer.ggml.pre"].contents() == "kimi-k2"
+    tokens = f["tokenizer.ggml.tokens"].contents()
+    types = f["tokenizer.ggml.token_type"].contents()
+    assert len(tokens) == len(types) == 1792
+    assert tokens[1536] == "[BOS]" and tokens[1538] == "<|end_of_msg|>" and tokens[1791] == "[PAD]"
+    assert set(types[1536:]) == {3} and set(types[:1536]) == {1}
+    assert tokens[32] == "Ġ" and tokens[10] == "Ċ"  # byte-level unicode for space and newline
+    assert f["tokenizer.ggml.eos_token_id"].contents() == 1538
+    assert f["tokenizer.ggml.unknown_token_id"].contents() == 1790
+    assert f["kimi-k3.block_count"].contents() == 8
+    assert f["kimi-k3.attention.head_count_kv"].contents() == [0, 0, 0, 1, 0, 0, 0, 1]
+    merges = f["tokenizer.ggml.merges"].contents()
+    ranked = read_tiktoken(tiny_src / "tiktoken.model")
+    assert merges == [f"{token_to_unicode(a)} {token_to_unicode(b)}" for a, b in merges_reference(ranked)]
+
+
+def test_fast_merges_equal_the_definition_on_a_large_vocabulary(tiny_src: Path) -> None:
+    ranked = read_tiktoken(tiny_src / "tiktoken.model")
+    big = extend_vocab(ranked, 40_000, seed=3)
+    # and a vocabulary with ties (equal-rank pairs at several places) and unreachable tokens
+    odd = [bytes([b]) for b in range(256)] + [b"aa", b"aaaa", b"aaa", b"ab", b"aab", b"abab", b"ba", b"aba"]
+    for vocab in (ranked, big, odd):
+        assert bpe_merges(vocab) == merges_reference(vocab)
+
+
+def test_chat_template_is_carried(tiny_src: Path, tmp_path: Path) -> None:
+    meta = tmp_path / "meta"
+    shutil.copytree(tiny_src, meta, ignore=shutil.ignore_patterns("*.safetensors"))
+    cfg = json.loads((meta / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }}<|end_of_msg|>{% endfor %}"
+    (meta / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert build_vocabulary(meta).chat_template == cfg["chat_template"]
+    out = write_tokenizer_gguf(meta, tmp_path / "t.gguf")
+    assert gguf.GGUFReader(out).fields["tokenizer.chat_template"].contents() == cfg["chat_template"]
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda lines: lines.__setitem__(300, "!!!notbase64 300"), r"tiktoken.model:301: bad base64"),
+        (
+            lambda lines: lines.__setitem__(300, lines[300].split()[0] + " 299"),
+            r"tiktoken.model:301: duplicate rank 299",
+        ),
+        (lambda lines: lines.pop(400), r"tiktoken.model:401: gap in ranks: rank 400 is missing"),
+        (lambda lines: lines.__setitem__(5, "QUJD"), r"tiktoken.model:6: expected 'base64-token rank'"),
+        (
+            lambda lines: lines.__setitem__(301, lines[300].split()[0] + " 301"),
+            r"tiktoken.model:302: token .* already",
+        ),
+    ],
+)
+def test_malformed_tiktoken_is_one_line_error_with_line_number(
+    tiny_src: Path, tmp_path: Path, edit, message, capsys: pytest.CaptureFixture[str]
+) -> None:
+    meta = tmp_path / "meta"
+    shutil.copytree(tiny_src, meta, ignore=shutil.ignore_patterns("*.safetensors"))
+    lines = (meta / "tiktoken.model").read_text().splitlines()
+    edit(lines)
+    (meta / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    with pytest.raises(TokenizerError, match=message):
+        read_tiktoken(meta / "tiktoken.model")
+    out = tmp_path / "tok.gguf"
+    assert main(["tokenizer", "--meta", str(meta), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "tiktoken.model:" in err
+    assert not out.exists() and not list(tmp_path.glob("*.partial"))
