@@ -83,7 +83,13 @@ class GGUFStream:
         self._writer.write_kv_data_to_file()
         self._writer.write_ti_data_to_file()
         self._fh = self._writer.fout[0]
+        self.data_start = self.data_offset_next()
         return self
+
+    def data_offset_next(self) -> int:
+        """Absolute file offset where the next tensor's data will start."""
+        pos = self._fh.tell()
+        return pos + (-pos % ALIGNMENT)
 
     def write(self, name: str, pieces: Iterable[bytes | bytearray | memoryview | np.ndarray]) -> str:
         """Stream tensor ``name`` (the next declared one) from byte pieces; returns its SHA-256."""

@@ -1,0 +1,216 @@
+"""The one rule table: Kimi-K3 checkpoint names -> llama.cpp ``kimi-k3`` GGUF names.
+
+A rule names its output (``{bid}`` is the layer), its source tensors (``{e}`` expands over the
+routed experts), the transform (``transforms.TRANSFORMS``), the output type policy and which
+layers it applies to. The planner, ``k3lab tensor-map`` (TENSOR_MAP.md) and the notebooks all
+read this table; nothing else knows a tensor name.
+
+Type policies, as upstream llama.cpp's converter writes them:
+  keep   matrices keep their dtype (BF16 stays BF16); ``--outtype`` converts them
+  f32    1-D tensors, the conv1d kernels and the router are F32
+  mxfp4  routed experts, repacked (not dequantised) into ggml MXFP4
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import K3Config
+
+TEXT_PREFIX = "language_model."
+
+# which layers a rule applies to
+ALL, KDA, MLA, DENSE, MOE, LATENT, OUTPUT = "all", "kda", "mla", "dense", "moe", "latent", "output"
+# what the checkpoint must look like for the rule to apply
+ANY, QUANTIZED, FLOAT, ATTN_RES = "any", "mxfp4", "float", "attn_res"
+
+
+@dataclass(frozen=True)
+class Rule:
+    output: str
+    sources: tuple[str, ...]
+    transform: str = "copy"
+    dtype: str = "keep"
+    layers: str = ALL
+    when: str = ANY
+    note: str = ""
+
+    @property
+    def per_expert(self) -> bool:
+        return any("{e}" in s for s in self.sources)
+
+    def applies(self, cfg: K3Config, bid: int | None) -> bool:
+        if self.when == QUANTIZED and not cfg.is_mxfp4 or self.when == FLOAT and cfg.is_mxfp4:
+            return False
+        if self.when == ATTN_RES and not cfg["attn_res_block_size"]:
+            return False
+        if self.layers == OUTPUT:
+            return bid is None
+        if bid is None:
+            return False
+        return {
+            ALL: True,
+            KDA: not cfg.is_mla(bid),
+            MLA: cfg.is_mla(bid),
+            DENSE: not cfg.is_moe(bid),
+            MOE: cfg.is_moe(bid),
+            LATENT: cfg.is_moe(bid) and cfg.is_latent_moe,
+        }[self.layers]
+
+    def source_names(self, cfg: K3Config, bid: int | None) -> list[str]:
+        names = []
+        experts = range(cfg.n_expert) if self.per_expert else [None]
+        for e in experts:  # expert-major: all of expert 0's sources, then expert 1's ...
+            names += [TEXT_PREFIX + s.format(bid=bid, e=e) for s in self.sources]
+        return names
+
+    def output_name(self, bid: int | None) -> str:
+        return self.output.format(bid=bid)
+
+
+L = "model.layers.{bid}."
+A = L + "self_attn."
+M = L + "block_sparse_moe."
+RES = "res_score: AttnRes norm*proj fused"
+
+RULES: tuple[Rule, ...] = (
+    Rule("token_embd.weight", ("model.embed_tokens.weight",), layers=OUTPUT),
+    Rule("output_norm.weight", ("model.norm.weight",), dtype="f32", layers=OUTPUT),
+    Rule("output.weight", ("lm_head.weight",), layers=OUTPUT),
+    Rule(
+        "output_res_score.weight",
+        ("model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight"),
+        "fuse_res_score",
+        "f32",
+        OUTPUT,
+        ATTN_RES,
+        RES,
+    ),
+    Rule("blk.{bid}.attn_norm.weight", (L + "input_layernorm.weight",), dtype="f32"),
+    Rule("blk.{bid}.ffn_norm.weight", (L + "post_attention_layernorm.weight",), dtype="f32"),
+    Rule(
+        "blk.{bid}.attn_res_score.weight",
+        (L + "self_attention_res_norm.weight", L + "self_attention_res_proj.weight"),
+        "fuse_res_score",
+        "f32",
+        ALL,
+        ATTN_RES,
+        RES,
+    ),
+    Rule(
+        "blk.{bid}.ffn_res_score.weight",
+        (L + "mlp_res_norm.weight", L + "mlp_res_proj.weight"),
+        "fuse_res_score",
+        "f32",
+        ALL,
+        ATTN_RES,
+        RES,
+    ),
+    # KDA (linear attention) layers
+    Rule("blk.{bid}.attn_q.weight", (A + "q_proj.weight",), layers=KDA),
+    Rule("blk.{bid}.attn_k.weight", (A + "k_proj.weight",), layers=KDA),
+    Rule("blk.{bid}.attn_v.weight", (A + "v_proj.weight",), layers=KDA),
+    Rule("blk.{bid}.ssm_conv1d_q.weight", (A + "q_conv1d.weight",), "conv1d_4d", "f32", KDA),
+    Rule("blk.{bid}.ssm_conv1d_k.weight", (A + "k_conv1d.weight",), "conv1d_4d", "f32", KDA),
+    Rule("blk.{bid}.ssm_conv1d_v.weight", (A + "v_conv1d.weight",), "conv1d_4d", "f32", KDA),
+    Rule("blk.{bid}.ssm_f_a.weight", (A + "f_a_proj.weight",), layers=KDA),
+    Rule("blk.{bid}.ssm_f_b.weight", (A + "f_b_proj.weight",), layers=KDA),
+    Rule("blk.{bid}.ssm_beta.weight", (A + "b_proj.weight",), layers=KDA),
+    Rule("blk.{bid}.ssm_a", (A + "A_log",), "neg_exp", "f32", KDA, note="ssm_a = -exp(A_log)"),
+    Rule("blk.{bid}.ssm_dt.bias", (A + "dt_bias",), dtype="f32", layers=KDA),
+    Rule(
+        "blk.{bid}.ssm_g.weight",
+        (A + "g_proj.weight",),
+        layers=KDA,
+        note="g_proj on a KDA layer: full-rank gate",
+    ),
+    Rule("blk.{bid}.ssm_norm.weight", (A + "o_norm.weight",), dtype="f32", layers=KDA),
+    Rule("blk.{bid}.attn_output.weight", (A + "o_proj.weight",)),
+    # MLA (full attention) layers
+    Rule("blk.{bid}.attn_q_a.weight", (A + "q_a_proj.weight",), layers=MLA),
+    Rule("blk.{bid}.attn_q_a_norm.weight", (A + "q_a_layernorm.weight",), dtype="f32", layers=MLA),
+    Rule("blk.{bid}.attn_q_b.weight", (A + "q_b_proj.weight",), layers=MLA),
+    Rule("blk.{bid}.attn_kv_a_mqa.weight", (A + "kv_a_proj_with_mqa.weight",), layers=MLA),
+    Rule("blk.{bid}.attn_kv_a_norm.weight", (A + "kv_a_layernorm.weight",), dtype="f32", layers=MLA),
+    Rule(
+        "blk.{bid}.attn_k_b.weight",
+        (A + "kv_b_proj.weight",),
+        "k_b",
+        layers=MLA,
+        note="kv_b split, K transposed",
+    ),
+    Rule("blk.{bid}.attn_v_b.weight", (A + "kv_b_proj.weight",), "v_b", layers=MLA, note="kv_b split, V"),
+    Rule(
+        "blk.{bid}.attn_gate.weight",
+        (A + "g_proj.weight",),
+        layers=MLA,
+        note="g_proj on an MLA layer: output gate",
+    ),
+    # dense FFN (the leading layers)
+    Rule("blk.{bid}.ffn_gate.weight", (L + "mlp.gate_proj.weight",), layers=DENSE),
+    Rule("blk.{bid}.ffn_up.weight", (L + "mlp.up_proj.weight",), layers=DENSE),
+    Rule("blk.{bid}.ffn_down.weight", (L + "mlp.down_proj.weight",), layers=DENSE),
+    # latent MoE
+    Rule("blk.{bid}.ffn_gate_inp.weight", (M + "gate.weight",), dtype="f32", layers=MOE),
+    Rule("blk.{bid}.exp_probs_b.bias", (M + "gate.e_score_correction_bias",), dtype="f32", layers=MOE),
+    Rule("blk.{bid}.ffn_gate_shexp.weight", (M + "shared_experts.gate_proj.weight",), layers=MOE),
+    Rule("blk.{bid}.ffn_up_shexp.weight", (M + "shared_experts.up_proj.weight",), layers=MOE),
+    Rule("blk.{bid}.ffn_down_shexp.weight", (M + "shared_experts.down_proj.weight",), layers=MOE),
+    Rule("blk.{bid}.ffn_routed_down.weight", (M + "routed_expert_down_proj.weight",), layers=LATENT),
+    Rule("blk.{bid}.ffn_routed_up.weight", (M + "routed_expert_up_proj.weight",), layers=LATENT),
+    Rule("blk.{bid}.ffn_routed_norm.weight", (M + "routed_expert_norm.weight",), dtype="f32", layers=LATENT),
+    Rule(
+        "blk.{bid}.ffn_gate_exps.weight",
+        (M + "experts.{e}.w1.weight_packed", M + "experts.{e}.w1.weight_scale"),
+        "mxfp4_stack",
+        "mxfp4",
+        MOE,
+        QUANTIZED,
+        "w1 = gate",
+    ),
+    Rule(
+        "blk.{bid}.ffn_down_exps.weight",
+        (M + "experts.{e}.w2.weight_packed", M + "experts.{e}.w2.weight_scale"),
+        "mxfp4_stack",
+        "mxfp4",
+        MOE,
+        QUANTIZED,
+        "w2 = down",
+    ),
+    Rule(
+        "blk.{bid}.ffn_up_exps.weight",
+        (M + "experts.{e}.w3.weight_packed", M + "experts.{e}.w3.weight_scale"),
+        "mxfp4_stack",
+        "mxfp4",
+        MOE,
+        QUANTIZED,
+        "w3 = up",
+    ),
+    Rule(
+        "blk.{bid}.ffn_gate_exps.weight",
+        (M + "experts.{e}.w1.weight",),
+        "stack",
+        "keep",
+        MOE,
+        FLOAT,
+        "w1 = gate",
+    ),
+    Rule(
+        "blk.{bid}.ffn_down_exps.weight",
+        (M + "experts.{e}.w2.weight",),
+        "stack",
+        "keep",
+        MOE,
+        FLOAT,
+        "w2 = down",
+    ),
+    Rule(
+        "blk.{bid}.ffn_up_exps.weight", (M + "experts.{e}.w3.weight",), "stack", "keep", MOE, FLOAT, "w3 = up"
+    ),
+)
+
+
+def expert_dims(cfg: K3Config, output: str) -> tuple[int, int]:
+    """(rows, cols) of one routed expert matrix of a stacked output (gate/up: ff x latent)."""
+    ff, lat = cfg["moe_intermediate_size"], cfg.latent_dim
+    return (lat, ff) if "down_exps" in output else (ff, lat)
