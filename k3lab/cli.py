@@ -31,6 +31,47 @@ def _tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from .config import K3Config
+    from .plan import build_plan, describe_plan
+    from .source import LocalSource
+
+    plan = build_plan(K3Config.load(args.meta), LocalSource(args.src or args.meta, args.meta), args.outtype)
+    print(json.dumps(plan.to_json(), indent=1) if args.json else describe_plan(plan, args.jobs))
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .runner import Job, convert_shards, load_plan, parse_shards
+    from .synth.report import human_bytes
+
+    job = Job(
+        str(args.meta), str(args.src or args.meta), str(args.out_dir), args.outtype, args.name, args.force
+    )
+    plan, _ = load_plan(job.meta_dir, job.src_dir, job.outtype, job.basename)
+    numbers = parse_shards(args.shards, len(plan.files))
+    results = convert_shards(job, numbers, jobs=args.jobs, quiet=args.quiet)
+    written = [r for r in results if not r.skipped]
+    print(
+        f"{len(written)} written, {len(results) - len(written)} already complete; "
+        f"{human_bytes(sum(r.nbytes for r in results))} in {args.out_dir}"
+    )
+    return 0
+
+
+def _common_source(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--meta", required=True, help="folder with config.json, the index and the tokenizer files")
+    p.add_argument("--src", help="folder with the safetensors shards (default: --meta)")
+    p.add_argument(
+        "--outtype",
+        choices=["auto", "bf16", "f16", "f32"],
+        default="auto",
+        help="auto keeps MXFP4 and BF16 as they are; the float types convert every float matrix",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .synth import PRESETS
 
@@ -52,6 +93,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--out", required=True, help="output .gguf")
     t.set_defaults(func=_tokenizer)
+
+    pl = sub.add_parser("plan", help="what the conversion will write, from config, index and headers alone")
+    _common_source(pl)
+    pl.add_argument("--jobs", type=int, default=1, help="for the disk and memory forecast")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.set_defaults(func=_plan)
+
+    c = sub.add_parser("convert", help="convert the text model to a GGUF split set, shard by shard")
+    _common_source(c)
+    c.add_argument("--out-dir", required=True)
+    c.add_argument("--shards", default=None, help="N, A-B or a comma mix (default: all)")
+    c.add_argument("--jobs", type=int, default=1, help="shards converted in parallel processes")
+    c.add_argument("--scratch", default=None, help="working folder for downloads (Hub streaming)")
+    c.add_argument("--force", action="store_true", help="redo files that are already complete")
+    c.add_argument("--name", default="Kimi-K3", help="output basename (default: Kimi-K3)")
+    c.add_argument("--quiet", action="store_true", help="no progress bars")
+    c.set_defaults(func=_convert)
 
     d = sub.add_parser("demo", help="the main job, end to end, on the built-in tiny model")
     d.add_argument("--workdir", default="k3-demo", help="where the demo writes (default: ./k3-demo)")

@@ -253,3 +253,54 @@ def build_plan(cfg: K3Config, source: Any, outtype: str = "auto", basename: str 
         f.filename = output_filename(basename, label, f.number, len(planned))
     label_plan.source_files = {f: sum(e.nbytes for e in source.header(f).values()) for f in sources}
     return label_plan
+
+
+BASE_RSS = 160 * 1024 * 1024  # a worker's Python, numpy, numba and gguf before any tensor
+COPY_CHUNK = 32 * 1024 * 1024  # keep in step with convert.COPY_CHUNK
+
+
+def peak_piece_bytes(pt: PlannedTensor, cfg: K3Config) -> int:
+    """The most tensor memory the converter holds at once for this tensor."""
+    if pt.rule.dtype == "mxfp4":
+        rows, cols = expert_dims(cfg, pt.name)
+        return rows * cols // 2 + rows * cols // 32 + pt.nbytes // cfg.n_expert
+    if pt.transform == "stack":
+        return 2 * pt.nbytes // cfg.n_expert
+    if pt.transform == "copy":
+        return 3 * min(pt.nbytes, COPY_CHUNK)
+    return 3 * pt.nbytes
+
+
+def describe_plan(plan: Plan, jobs: int = 1, max_rows: int = 12) -> str:
+    """The plan as the table `k3lab plan` prints: files, totals, disk and memory forecasts."""
+    from .synth.report import human_bytes
+
+    lines = [f"{'output file':<40} {'source shard':<36} {'tensors':>7} {'bytes':>12}  types"]
+    n = len(plan.files)
+    for i, f in enumerate(plan.files):
+        if n > max_rows and max_rows // 2 <= i < n - max_rows // 2:
+            if i == max_rows // 2:
+                lines.append(f"{'...':<40} ({n - max_rows} more files)")
+            continue
+        types: dict[str, int] = {}
+        for t in f.tensors:
+            types[t.info.type.name] = types.get(t.info.type.name, 0) + 1
+        lines.append(
+            f"{f.filename:<40} {f.source_file:<36} {len(f.tensors):>7} {human_bytes(f.nbytes):>12}  "
+            + ", ".join(f"{k}:{v}" for k, v in sorted(types.items()))
+        )
+    total = sum(f.nbytes for f in plan.files)
+    src_total = sum(plan.source_files.values())
+    largest = max(plan.source_files.values())
+    peak = max(peak_piece_bytes(t, plan.cfg) for f in plan.files for t in f.tensors)
+    vocab_mem = 400 * plan.cfg.n_vocab  # token and merge strings of file 1
+    lines += [
+        f"{n} output files (a llama.cpp split set), {plan.n_tensors} tensors, {human_bytes(total)} of tensor data "
+        f"from {human_bytes(src_total)} of text source shards",
+        f"disk: final {human_bytes(total)} plus headers; working space none beyond the files themselves "
+        f"(each is written as .partial and renamed); streaming from the Hub adds up to {jobs} x 2 source shards "
+        f"({human_bytes(2 * jobs * largest)})",
+        f"memory: about {human_bytes(BASE_RSS + peak + vocab_mem)} per worker ({human_bytes(peak)} largest piece "
+        f"held at once), {human_bytes(jobs * (BASE_RSS + peak + vocab_mem))} for --jobs {jobs}",
+    ]
+    return "\n".join(lines)

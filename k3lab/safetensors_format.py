@@ -13,8 +13,8 @@ import math
 import os
 import struct
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -64,8 +64,7 @@ class SafetensorsError(K3LabError):
     """A safetensors file is malformed; the message names the file and, where known, the tensor."""
 
 
-@dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(NamedTuple):
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -102,7 +101,7 @@ def parse_header(
             raise SafetensorsError(f"{file}: tensor {name}: header entry is malformed: {info!r}") from None
         if dtype not in DTYPE_SIZE:
             raise SafetensorsError(f"{file}: tensor {name}: unknown dtype {dtype!r}")
-        if any(d < 0 for d in shape) or not (0 <= begin <= end):
+        if (shape and min(shape) < 0) or not (0 <= begin <= end):
             raise SafetensorsError(f"{file}: tensor {name}: bad shape {shape} or offsets [{begin}, {end}]")
         want = math.prod(shape) * DTYPE_SIZE[dtype]
         if end - begin != want:

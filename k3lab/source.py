@@ -43,6 +43,9 @@ class LocalSource:
         self.src_dir = Path(src_dir)
         self.index_path, self.weight_map = read_index(*(d for d in (meta_dir, src_dir) if d is not None))
         self._headers: dict[str, dict[str, TensorEntry]] = {}
+        self._listed: dict[str, set[str]] = {}
+        for name, file in self.weight_map.items():
+            self._listed.setdefault(file, set()).add(name)
 
     def files(self) -> list[str]:
         return sorted(set(self.weight_map.values()))
@@ -56,7 +59,7 @@ class LocalSource:
             if not path.exists():
                 raise SourceError(f"{self.index_path}: names {file}, which is not in {self.src_dir}")
             entries, _ = read_header(path)
-            listed = {n for n, f in self.weight_map.items() if f == file}
+            listed = self._listed.get(file, set())
             missing = sorted(listed - entries.keys())
             if missing:
                 raise SourceError(f"{path}: tensor {missing[0]} is in the index but not in this file")

@@ -1,0 +1,270 @@
+"""The text converter: every tensor re-derived from the source bit for bit; llama.cpp runs the set;
+any order, parallel or killed-and-resumed runs give byte-identical files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from gguf.quants import dequantize
+from llama_support import needs_llama
+from safetensors import safe_open
+
+from k3lab import mxfp4
+from k3lab.cli import main
+
+LM = "language_model.model."
+N_FILES = 9  # 8 layers + the output shard
+
+
+def convert(src: Path, out: Path, *extra: str) -> int:
+    return main(["convert", "--meta", str(src), "--out-dir", str(out), "--quiet", *extra])
+
+
+@pytest.fixture(scope="session")
+def tiny_out(tiny_src: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-gguf")
+    assert convert(tiny_src, out, "--jobs", "2") == 0
+    return out
+
+
+def _files(out: Path) -> list[Path]:
+    return sorted(out.glob("Kimi-K3-MXFP4-*-of-00009.gguf"))
+
+
+class Source:
+    """The source checkpoint read with the safetensors library (BF16 as raw bits, via numpy views)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.index = json.loads((root / "model.safetensors.index.json").read_text())["weight_map"]
+
+    def raw(self, name: str) -> np.ndarray:
+        with safe_open(str(self.root / self.index[name]), framework="numpy") as f:
+            sl = f.get_slice(name)
+            dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
+        # safetensors' numpy backend has no bfloat16: read the bytes through the header offsets
+        import struct
+
+        path = self.root / self.index[name]
+        with open(path, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            header = json.loads(fh.read(n))
+            a, b = header[name]["data_offsets"]
+            fh.seek(8 + n + a)
+            data = fh.read(b - a)
+        np_dtype = {"BF16": np.uint16, "F32": np.float32, "U8": np.uint8, "F16": np.float16}[dtype]
+        return np.frombuffer(data, dtype=np_dtype).reshape(shape)
+
+    def f32(self, name: str) -> np.ndarray:
+        a = self.raw(name)
+        return (a.astype(np.uint32) << 16).view(np.float32) if a.dtype == np.uint16 else a.astype(np.float32)
+
+
+def _expected(src: Source, name: str, cfg: dict) -> tuple[str, np.ndarray]:
+    """(ggml type, expected decoded values) for one output tensor, written from the facts file."""
+    t = cfg["text_config"]
+    m = name.split(".")
+    if name in ("token_embd.weight", "output.weight"):
+        return "BF16", src.raw(
+            LM + "embed_tokens.weight" if name.startswith("token") else "language_model.lm_head.weight"
+        )
+    if name == "output_norm.weight":
+        return "F32", src.f32(LM + "norm.weight")
+    if name == "output_res_score.weight":
+        return "F32", src.f32(LM + "output_attn_res_norm.weight") * src.f32(
+            LM + "output_attn_res_proj.weight"
+        )[0]
+    bid, what = int(m[1]), ".".join(m[2:])
+    p, a, moe = f"{LM}layers.{bid}.", f"{LM}layers.{bid}.self_attn.", f"{LM}layers.{bid}.block_sparse_moe."
+    mla = bid + 1 in t["linear_attn_config"]["full_attn_layers"]
+    nh, nope, v = t["num_attention_heads"], t["qk_nope_head_dim"], t["v_head_dim"]
+    simple_f32 = {
+        "attn_norm.weight": p + "input_layernorm.weight",
+        "ffn_norm.weight": p + "post_attention_layernorm.weight",
+        "ssm_norm.weight": a + "o_norm.weight",
+        "ssm_dt.bias": a + "dt_bias",
+        "attn_q_a_norm.weight": a + "q_a_layernorm.weight",
+        "attn_kv_a_norm.weight": a + "kv_a_layernorm.weight",
+        "ffn_gate_inp.weight": moe + "gate.weight",
+        "exp_probs_b.bias": moe + "gate.e_score_correction_bias",
+        "ffn_routed_norm.weight": moe + "routed_expert_norm.weight",
+    }
+    simple_bf16 = {
+        "attn_q.weight": a + "q_proj.weight",
+        "attn_k.weight": a + "k_proj.weight",
+        "attn_v.weight": a + "v_proj.weight",
+        "ssm_f_a.weight": a + "f_a_proj.weight",
+        "ssm_f_b.weight": a + "f_b_proj.weight",
+        "ssm_beta.weight": a + "b_proj.weight",
+        "attn_output.weight": a + "o_proj.weight",
+        "attn_q_a.weight": a + "q_a_proj.weight",
+        "attn_q_b.weight": a + "q_b_proj.weight",
+        "attn_kv_a_mqa.weight": a + "kv_a_proj_with_mqa.weight",
+        "ffn_gate.weight": p + "mlp.gate_proj.weight",
+        "ffn_up.weight": p + "mlp.up_proj.weight",
+        "ffn_down.weight": p + "mlp.down_proj.weight",
+        "ffn_gate_shexp.weight": moe + "shared_experts.gate_proj.weight",
+        "ffn_up_shexp.weight": moe + "shared_experts.up_proj.weight",
+        "ffn_down_shexp.weight": moe + "shared_experts.down_proj.weight",
+        "ffn_routed_down.weight": moe + "routed_expert_down_proj.weight",
+        "ffn_routed_up.weight": moe + "routed_expert_up_proj.weight",
+    }
+    if what in simple_f32:
+        return "F32", src.f32(simple_f32[what])
+    if what in simple_bf16:
+        return "BF16", src.raw(simple_bf16[what])
+    if what in ("ssm_g.weight", "attn_gate.weight"):
+        assert (what == "attn_gate.weight") == mla, "g_proj resolved by layer type"
+        return "BF16", src.raw(a + "g_proj.weight")
+    if what in ("attn_res_score.weight", "ffn_res_score.weight"):
+        pair = "self_attention_res" if what.startswith("attn") else "mlp_res"
+        return "F32", src.f32(p + f"{pair}_norm.weight") * src.f32(p + f"{pair}_proj.weight")[0]
+    if what.startswith("ssm_conv1d_"):
+        w = src.f32(a + f"{what[11]}_conv1d.weight")  # [d_inner, 1, d_conv]
+        return "F32", w[None, :, :, :].transpose(0, 1, 2, 3).reshape(1, w.shape[0], 1, w.shape[2])
+    if what == "ssm_a":
+        return "F32", -np.exp(src.f32(a + "A_log"))
+    if what in ("attn_k_b.weight", "attn_v_b.weight"):
+        kv = src.raw(a + "kv_b_proj.weight")
+        heads = [kv[h * (nope + v) : (h + 1) * (nope + v)] for h in range(nh)]
+        if what == "attn_k_b.weight":
+            return "BF16", np.stack([hd[:nope].T for hd in heads])  # (head, kv_lora, nope)
+        return "BF16", np.stack([hd[nope:] for hd in heads])  # (head, v, kv_lora)
+    if what.endswith("_exps.weight"):
+        w = {"gate": "w1", "down": "w2", "up": "w3"}[what.split("_")[1]]
+        return "MXFP4", np.stack(
+            [
+                mxfp4.decode_compressed_tensors(
+                    src.raw(moe + f"experts.{e}.{w}.weight_packed"),
+                    src.raw(moe + f"experts.{e}.{w}.weight_scale"),
+                )
+                for e in range(t["num_experts"])
+            ]
+        )
+    raise AssertionError(f"no expectation for {name}")
+
+
+def test_every_tensor_is_the_source_under_its_transform(tiny_src: Path, tiny_out: Path) -> None:
+    src = Source(tiny_src)
+    cfg = json.loads((tiny_src / "config.json").read_text())
+    seen = 0
+    for path in _files(tiny_out):
+        for t in gguf.GGUFReader(path).tensors:
+            gtype, want = _expected(src, t.name, cfg)
+            assert t.tensor_type.name == gtype, t.name
+            if gtype == "BF16":  # the very bits
+                got = t.data.view(np.uint16).reshape(want.shape)
+                assert np.array_equal(got, want), t.name
+            elif gtype == "MXFP4":  # gguf-py's own dequantiser vs the compressed-tensors definition
+                got = dequantize(t.data, gguf.GGMLQuantizationType.MXFP4)
+                assert np.array_equal(got, want), t.name
+            else:
+                assert np.array_equal(
+                    np.asarray(t.data).reshape(want.shape).view(np.uint32),
+                    np.ascontiguousarray(want, dtype=np.float32).view(np.uint32),
+                ), t.name
+            seen += 1
+    assert seen == 218
+
+
+def test_split_set_keys(tiny_out: Path) -> None:
+    files = _files(tiny_out)
+    assert len(files) == N_FILES
+    counts = 0
+    for i, path in enumerate(files):
+        r = gguf.GGUFReader(path)
+        assert r.fields["split.no"].contents() == i
+        assert r.fields["split.count"].contents() == N_FILES
+        assert r.fields["split.tensors.count"].contents() == 218
+        assert ("tokenizer.ggml.tokens" in r.fields) == (i == 0)
+        assert ("kimi-k3.block_count" in r.fields) == (i == 0)
+        counts += len(r.tensors)
+    assert counts == 218
+    first = gguf.GGUFReader(files[0])
+    assert first.fields["general.file_type"].contents() == 38
+
+
+@needs_llama
+def test_llama_cpp_loads_the_set_and_generates_deterministically(tiny_out: Path) -> None:
+    import llama_cpp
+
+    def generate() -> list[int]:
+        llm = llama_cpp.Llama(
+            str(_files(tiny_out)[0]), n_ctx=128, n_threads=2, verbose=False, seed=0, logits_all=True
+        )
+        llm.eval(llm.tokenize(b"The quick brown fox", add_bos=False))
+        out = []
+        for _ in range(16):
+            tok = llm.sample(top_k=1, temp=0.0)
+            out.append(tok)
+            llm.eval([tok])
+        logits = np.array(llm.scores[llm.n_tokens - 1])
+        assert np.isfinite(logits).all() and logits.std() > 0
+        return out
+
+    first = generate()
+    assert len(first) == 16 and len(set(first)) > 1
+    assert generate() == first
+
+
+def test_any_order_one_at_a_time_gives_identical_files(
+    tiny_src: Path, tiny_out: Path, tmp_path: Path
+) -> None:
+    for k in [9, 3, 1, 7, 2, 8, 5, 4, 6]:
+        assert convert(tiny_src, tmp_path, "--shards", str(k)) == 0
+    for a, b in zip(_files(tiny_out), _files(tmp_path), strict=True):
+        assert a.read_bytes() == b.read_bytes(), a.name
+    assert json.loads((tmp_path / "MANIFEST.json").read_text()) == json.loads(
+        (tiny_out / "MANIFEST.json").read_text()
+    )
+
+
+def test_rerun_skips_complete_files_and_redoes_damaged_ones(
+    tiny_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert convert(tiny_src, tmp_path, "--shards", "1-3") == 0
+    assert "3 written, 0 already complete" in capsys.readouterr().out
+    victim = _files(tmp_path)[1]
+    data = bytearray(victim.read_bytes())
+    data[100] ^= 0xFF  # a damaged header: not complete any more
+    victim.write_bytes(bytes(data))
+    assert convert(tiny_src, tmp_path, "--shards", "1-3") == 0
+    assert "1 written, 2 already complete" in capsys.readouterr().out
+    assert convert(tiny_src, tmp_path, "--shards", "1-3", "--force") == 0
+    assert "3 written, 0 already complete" in capsys.readouterr().out
+
+
+def test_killed_run_resumes_to_identical_files(tmp_path: Path) -> None:
+    src = tmp_path / "layer"
+    assert main(["synth", "--preset", "layer", "--experts", "8", "--out", str(src)]) == 0
+    clean = tmp_path / "clean"
+    assert convert(src, clean) == 0
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "k3lab.cli", "convert", "--meta", str(src), "--out-dir", str(out), "--quiet"]
+    proc = subprocess.Popen(cmd)
+    deadline = time.time() + 60
+    while time.time() < deadline:  # kill it while the big MoE file is half written
+        partial = list(out.glob("*-00002-of-*.gguf.partial"))
+        if partial and partial[0].stat().st_size > 20_000_000:
+            break
+        time.sleep(0.005)
+    else:
+        pytest.fail("the conversion never got half way")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (
+        out / clean.glob("*-00002-of-*.gguf").__next__().name
+    ).exists()  # no half file at a final path
+    assert subprocess.run(cmd).returncode == 0
+    for a in sorted(clean.glob("*.gguf")):
+        assert a.read_bytes() == (out / a.name).read_bytes(), a.name
+    assert not list(out.glob("*.partial"))
