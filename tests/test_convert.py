@@ -268,3 +268,65 @@ def test_killed_run_resumes_to_identical_files(tmp_path: Path) -> None:
     for a in sorted(clean.glob("*.gguf")):
         assert a.read_bytes() == (out / a.name).read_bytes(), a.name
     assert not list(out.glob("*.partial"))
+
+
+@pytest.fixture(scope="module")
+def testmodel_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("testmodel") / "src"
+    assert main(["synth", "--preset", "testmodel", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize(
+    ("outtype", "label", "matrix_type"),
+    [("auto", "F32", "F32"), ("f16", "F16", "F16"), ("bf16", "BF16", "BF16")],
+)
+def test_unquantized_source_with_outtype(
+    testmodel_src: Path, tmp_path: Path, outtype: str, label: str, matrix_type: str
+) -> None:
+    assert convert(testmodel_src, tmp_path, "--outtype", outtype) == 0
+    files = sorted(tmp_path.glob(f"Kimi-K3-{label}-*-of-00009.gguf"))
+    assert len(files) == 9
+    src = Source(testmodel_src)
+    by_name = {t.name: t for f in files for t in gguf.GGUFReader(f).tensors}
+    q = by_name["blk.1.attn_q.weight"]
+    assert q.tensor_type.name == matrix_type
+    want = src.f32(LM + "layers.1.self_attn.q_proj.weight")
+    got = dequantize(q.data, q.tensor_type).reshape(want.shape)
+    cast = {"F32": np.float32, "F16": np.float16}.get(matrix_type)
+    expected = (
+        want.astype(cast).astype(np.float32)
+        if cast
+        else (
+            (((want.view(np.uint32) + 0x7FFF + ((want.view(np.uint32) >> 16) & 1)) >> 16) << 16)
+            .astype(np.uint32)
+            .view(np.float32)
+        )
+    )
+    assert np.array_equal(got, expected)
+    exps = by_name["blk.2.ffn_down_exps.weight"]
+    assert exps.tensor_type.name == matrix_type and list(exps.shape) == [64, 96, 8]
+    assert by_name["blk.1.ssm_a"].tensor_type.name == "F32"
+    assert by_name["blk.2.ffn_gate_inp.weight"].tensor_type.name == "F32"
+    assert "kimi-k3.kda.gate_lower_bound" not in gguf.GGUFReader(files[0]).fields
+
+
+@needs_llama
+def test_llama_cpp_runs_the_unquantized_conversion(testmodel_src: Path, tmp_path: Path) -> None:
+    import llama_cpp
+
+    assert convert(testmodel_src, tmp_path, "--outtype", "f16") == 0
+    llm = llama_cpp.Llama(str(sorted(tmp_path.glob("*.gguf"))[0]), n_ctx=64, n_threads=2, verbose=False)
+    llm.eval(llm.tokenize(b"Hello world", add_bos=False))
+    toks = []
+    for _ in range(8):
+        toks.append(llm.sample(top_k=1, temp=0.0))
+        llm.eval([toks[-1]])
+    assert len(toks) == 8 and len(set(toks)) > 1
+
+
+def test_mxfp4_source_with_f16_keeps_the_experts(tiny_src: Path, tmp_path: Path) -> None:
+    assert convert(tiny_src, tmp_path, "--outtype", "f16", "--shards", "2") == 0
+    (f,) = tmp_path.glob("Kimi-K3-MXFP4-00002-of-00009.gguf")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(f).tensors}
+    assert types["blk.1.ffn_up_exps.weight"] == "MXFP4" and types["blk.1.attn_q.weight"] == "F16"
