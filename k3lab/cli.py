@@ -61,6 +61,27 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from .verify import verify
+
+    report = verify(args.out_dir, args.manifest, args.src, args.meta, quiet=args.quiet)
+    for line in report.problems:
+        print(line)
+    status = "OK" if report.ok else f"FAILED: {len(report.problems)} problem(s)"
+    print(
+        f"verify {status}: {report.files} files, {report.tensors} tensors, {report.bytes} bytes checked"
+        + (" and re-derived from the source" if args.src else "")
+    )
+    return 0 if report.ok else 1
+
+
+def _tensor_map(args: argparse.Namespace) -> int:
+    from .tensor_map import tensor_map_markdown
+
+    print(tensor_map_markdown(), end="")
+    return 0
+
+
 def _common_source(p: argparse.ArgumentParser) -> None:
     p.add_argument("--meta", required=True, help="folder with config.json, the index and the tokenizer files")
     p.add_argument("--src", help="folder with the safetensors shards (default: --meta)")
@@ -110,6 +131,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--name", default="Kimi-K3", help="output basename (default: Kimi-K3)")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
     c.set_defaults(func=_convert)
+
+    v = sub.add_parser("verify", help="check a converted set against its manifest (and the source)")
+    v.add_argument("out_dir")
+    v.add_argument("--manifest", help="default: OUT_DIR/MANIFEST.json")
+    v.add_argument("--src", help="also re-derive every tensor from this source checkpoint")
+    v.add_argument("--meta", help="config/index folder for --src (default: --src)")
+    v.add_argument("--quiet", action="store_true")
+    v.set_defaults(func=_verify)
+
+    tm = sub.add_parser("tensor-map", help="the HF -> GGUF tensor table (TENSOR_MAP.md) from the rule table")
+    tm.set_defaults(func=_tensor_map)
 
     d = sub.add_parser("demo", help="the main job, end to end, on the built-in tiny model")
     d.add_argument("--workdir", default="k3-demo", help="where the demo writes (default: ./k3-demo)")

@@ -201,6 +201,8 @@ def convert_file(
             "kind": "text",
             "file": pf.filename,
             "number": number,
+            "basename": plan.basename,
+            "outtype": plan.outtype,
             "split_count": len(plan.files),
             "size": path.stat().st_size,
             "plan_digest": digest,

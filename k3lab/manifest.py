@@ -6,10 +6,12 @@ On disk (see README, "On-disk state"):
   OUT/MANIFEST.json       all records merged, stable key order; rebuilt from the records
 
 A record:
-  {"format": "k3lab-manifest/1", "file": NAME, "number": k, "split_count": n, "size": bytes,
-   "plan_digest": hex, "header_sha256": hex (bytes before the tensor data),
+  {"format": "k3lab-manifest/1", "kind": "text", "file": NAME, "number": k, "split_count": n,
+   "basename": "Kimi-K3", "outtype": "auto", "size": bytes, "plan_digest": hex,
+   "data_start": offset of the first tensor, "header_sha256": hex (the bytes before data_start),
    "tensors": [{"name", "type", "ne", "nbytes", "offset", "sha256", "transform",
                 "sources": [{"name", "file", "sha256"}]}]}
+  offset is absolute in the file; sha256 is over the tensor's canonical GGML bytes.
 """
 
 from __future__ import annotations

@@ -13,3 +13,17 @@ def tiny_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny") / "src"
     synthesize("tiny", out, seed=0)
     return out
+
+
+def convert(src: Path, out: Path, *extra: str) -> int:
+    from k3lab.cli import main
+
+    return main(["convert", "--meta", str(src), "--out-dir", str(out), "--quiet", *extra])
+
+
+@pytest.fixture(scope="session")
+def tiny_out(tiny_src: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny converted with --jobs 2 (read-only: copy it before changing anything)."""
+    out = tmp_path_factory.mktemp("tiny-gguf")
+    assert convert(tiny_src, out, "--jobs", "2") == 0
+    return out

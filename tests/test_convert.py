@@ -14,6 +14,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from conftest import convert
 from gguf.quants import dequantize
 from llama_support import needs_llama
 from safetensors import safe_open
@@ -23,17 +24,6 @@ from k3lab.cli import main
 
 LM = "language_model.model."
 N_FILES = 9  # 8 layers + the output shard
-
-
-def convert(src: Path, out: Path, *extra: str) -> int:
-    return main(["convert", "--meta", str(src), "--out-dir", str(out), "--quiet", *extra])
-
-
-@pytest.fixture(scope="session")
-def tiny_out(tiny_src: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-gguf")
-    assert convert(tiny_src, out, "--jobs", "2") == 0
-    return out
 
 
 def _files(out: Path) -> list[Path]:
