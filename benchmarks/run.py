@@ -4,6 +4,9 @@ Every figure is a ratio against a peer measured in the same run (memcpy, `cp`, o
 straightforward implementation), because these machines are shared and noisy. Rows:
   repack      MXFP4 repack of one [3072, 3584] expert vs a numpy copy of the same bytes and vs
               the unpack/stack implementation
+  layer       one `layer` shard (real expert dims 3584/3072) with 16 and 64 experts: conversion wall
+              time (manifest hashing included) as a ratio to `cp` and to `cp && sync` of the same source
+              file (k3lab fsyncs what it writes), hashing overhead, and peak RSS of the converting process
   tokenizer   GGUF vocabulary of the real size (163,840 ids) vs the straightforward per-token BPE
               reconstruction (as upstream does it) on the same vocabulary; the merges must agree
 """
@@ -61,6 +64,91 @@ def bench_repack() -> list[tuple[str, str, str]]:
             f"unpack/stack {nbytes / t_simple / 1e9:.2f} GB/s",
         ),
     ]
+
+
+CONVERT_ONE = """
+import resource, sys, time
+from k3lab.runner import load_plan
+from k3lab.convert import convert_file
+src, out, nohash = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+if nohash:  # measure the manifest's cost: the same run with a hasher that does nothing
+    import k3lab.hashing
+    class Null:
+        def update(self, b): pass
+        def hexdigest(self): return "0" * 64
+    k3lab.hashing.sha256 = Null
+plan, source = load_plan(src, src, "auto", "Kimi-K3")
+t = time.perf_counter()
+convert_file(plan, 2, source, out, src, force=True)
+print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def _timed(cmd: list[str]) -> float:
+    import subprocess
+
+    t = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    return time.perf_counter() - t
+
+
+def _layer_row(experts: int) -> list[tuple[str, str, str]]:
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from k3lab.synth import synthesize
+
+    with tempfile.TemporaryDirectory(dir=".") as tmp:
+        src, out = Path(tmp) / "src", Path(tmp) / "out"
+        synthesize("layer", src, experts=experts)
+        shard = src / "model-00002-of-00005.safetensors"
+        size = shard.stat().st_size
+        runs = {"k3lab": [], "nohash": [], "cp": [], "cp+sync": []}
+        rss = 0
+        for _ in range(3):
+            for key, flag in (("k3lab", "0"), ("nohash", "1")):
+                r = subprocess.run(
+                    [sys.executable, "-c", CONVERT_ONE, str(src), str(out), flag],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
+                seconds, peak = r.stdout.split()
+                runs[key].append(float(seconds))
+                rss = max(rss, int(peak)) if key == "k3lab" else rss
+            runs["cp"].append(_timed(["cp", str(shard), str(Path(tmp) / "copy")]))
+            runs["cp+sync"].append(_timed(["sh", "-c", f"cp {shard} {tmp}/copy2 && sync {tmp}/copy2"]))
+        best = {k: min(v) for k, v in runs.items()}
+    mb = size / 1e6
+    return [
+        (
+            f"layer shard, {experts} experts ({mb:.0f} MB): convert + hash + fsync",
+            f"{best['k3lab']:.2f} s",
+            f"{mb / best['k3lab']:.0f} MB/s",
+        ),
+        ("  vs cp of the same file", f"{best['k3lab'] / best['cp']:.1f}x cp", f"cp {best['cp']:.2f} s"),
+        (
+            "  vs cp && sync",
+            f"{best['k3lab'] / best['cp+sync']:.1f}x cp+sync",
+            f"cp+sync {best['cp+sync']:.2f} s",
+        ),
+        (
+            "  manifest hashing overhead",
+            f"{100 * (best['k3lab'] / best['nohash'] - 1):+.0f}%",
+            f"without hashing {best['nohash']:.2f} s",
+        ),
+        (
+            "  peak RSS of the converting process",
+            f"{rss / 2**20:.0f} MiB",
+            "target <= 300 MiB, flat in experts",
+        ),
+    ]
+
+
+@row
+def bench_layer() -> list[tuple[str, str, str]]:
+    return _layer_row(16) + _layer_row(64)
 
 
 @row

@@ -9,7 +9,6 @@ expert for stacked experts, or one small tensor for the few value transforms.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from . import mxfp4
+from . import hashing, mxfp4
 from .arch import ARCH, general, hyperparameters
 from .config import K3Config
 from .gguf_io import GGUFStream, split_kvs
@@ -65,10 +64,11 @@ class SourceHashes:
         self._h: dict[str, Any] = {}
 
     def feed(self, name: str, data: np.ndarray) -> None:
-        self._h.setdefault(name, hashlib.sha256()).update(memoryview(np.ascontiguousarray(data)).cast("B"))
+        hashing.update(self._h.setdefault(name, hashing.sha256()), data)
 
     def hexdigest(self, name: str) -> str:
-        return self._h.setdefault(name, hashlib.sha256()).hexdigest()
+        hashing.wait()
+        return self._h.setdefault(name, hashing.sha256()).hexdigest()
 
 
 def _row_slabs(a: np.ndarray) -> Iterator[np.ndarray]:

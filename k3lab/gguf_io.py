@@ -9,7 +9,6 @@ renamed: a final path only ever holds a complete file, and a failure leaves noth
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 
+from . import hashing
 from .arch import KV
 
 ALIGNMENT = 32  # GGUF default
@@ -100,16 +100,13 @@ class GGUFStream:
         pad = -fh.tell() % ALIGNMENT
         if pad:
             fh.write(b"\0" * pad)
-        h, n = hashlib.sha256(), 0
+        h, n = hashing.sha256(), 0
         for piece in pieces:
-            mv = (
-                memoryview(piece).cast("B")
-                if not isinstance(piece, np.ndarray)
-                else memoryview(np.ascontiguousarray(piece)).cast("B")
-            )
-            h.update(mv)
+            mv = hashing.as_bytes(piece)
+            hashing.update(h, mv)  # on the other core, while this one writes
             fh.write(mv)
             n += mv.nbytes
+            hashing.wait()  # the producer may reuse its buffer for the next piece
         if n != ti.nbytes:
             raise ValueError(f"{self.path.name}: tensor {name}: wrote {n} bytes, declared {ti.nbytes}")
         self._next += 1
