@@ -82,6 +82,13 @@ def _tensor_map(args: argparse.Namespace) -> int:
     return 0
 
 
+def _vision(args: argparse.Namespace) -> int:
+    from .vision import convert_vision
+
+    print(convert_vision(args.meta, args.src or args.meta, args.out))
+    return 0
+
+
 def _common_source(p: argparse.ArgumentParser) -> None:
     p.add_argument("--meta", required=True, help="folder with config.json, the index and the tokenizer files")
     p.add_argument("--src", help="folder with the safetensors shards (default: --meta)")
@@ -131,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--name", default="Kimi-K3", help="output basename (default: Kimi-K3)")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
     c.set_defaults(func=_convert)
+
+    vi = sub.add_parser("vision", help="the MoonViT tower and projector as an mmproj GGUF")
+    vi.add_argument("--meta", required=True)
+    vi.add_argument("--src", help="folder with the safetensors shards (default: --meta)")
+    vi.add_argument("--out", required=True, help="e.g. OUT_DIR/mmproj-Kimi-K3-BF16.gguf")
+    vi.set_defaults(func=_vision)
 
     v = sub.add_parser("verify", help="check a converted set against its manifest (and the source)")
     v.add_argument("out_dir")

@@ -1,8 +1,9 @@
 """The manifest: SHA-256 of every output tensor and of the source tensors it came from.
 
 On disk (see README, "On-disk state"):
-  OUT/.k3lab/NNNNN.json   one record per finished output file, written after its rename (the
+  OUT/.k3lab/NNNNN.json   one record per finished text file, written after its rename (the
                           resume evidence: a file without a matching record is redone)
+  OUT/.k3lab/mmproj.json  the record of the vision mmproj file ("kind": "vision")
   OUT/MANIFEST.json       all records merged, stable key order; rebuilt from the records
 
 A record:
@@ -43,7 +44,8 @@ def atomic_write_json(path: Path, data: Any) -> None:
 
 
 def write_record(out_dir: str | Path, record: dict[str, Any]) -> Path:
-    path = record_path(out_dir, record["number"])
+    key = record.get("key")
+    path = Path(out_dir) / RECORDS_DIR / f"{key}.json" if key else record_path(out_dir, record["number"])
     atomic_write_json(path, record)
     return path
 

@@ -174,6 +174,33 @@ def _check_experts(rule: Rule, cfg: K3Config, source: Any, names: list[str], bid
             )
 
 
+def plan_tensor(
+    rule: Rule, cfg: K3Config, source: Any, bid: int | None, outtype: str, where: str
+) -> PlannedTensor | None:
+    """One rule at one layer (or none): its sources checked, output type and shape decided."""
+    if not rule.applies(cfg, bid):
+        return None
+    names = rule.source_names(cfg, bid)
+    missing = [n for n in names if n not in source.weight_map]
+    if missing and rule.optional and len(missing) == len(names):
+        return None
+    if missing:
+        raise PlanError(f"{where}: tensor {missing[0]} is missing ({rule.output_name(bid)} needs it)")
+    entries = [source.entry(n) for n in names]
+    if rule.per_expert:
+        _check_experts(rule, cfg, source, names, bid)
+    try:
+        if rule.dtype == "mxfp4":
+            rows, cols = expert_dims(cfg, rule.output)
+            shape = (cfg.n_expert, rows, cols)
+        else:
+            shape = TRANSFORMS[rule.transform].shape(*(e.shape for e in entries), cfg=cfg)
+    except TransformError as err:
+        raise PlanError(f"{entries[0].file}: tensor {entries[0].name}: {err}") from None
+    gtype = _output_type(rule, entries[0].dtype, outtype, f"{entries[0].file}: tensor {entries[0].name}")
+    return PlannedTensor(TensorInfo(rule.output_name(bid), gtype, shape), tuple(names), rule)
+
+
 def build_plan(cfg: K3Config, source: Any, outtype: str = "auto", basename: str = "Kimi-K3") -> Plan:
     """Plan the text conversion. ``source`` is a LocalSource or HubSource (index + headers)."""
     if outtype not in OUTTYPES:
@@ -200,33 +227,14 @@ def build_plan(cfg: K3Config, source: Any, outtype: str = "auto", basename: str 
     for bid in units:
         tensors: list[PlannedTensor] = []
         files: set[str] = set()
+        home = {weight_map[n] for n in by_layer.get(bid, [])}
+        where = next(iter(home)) if len(home) == 1 else str(source.index_path)
         for rule in RULES:
-            if not rule.applies(cfg, bid):
-                continue
-            names = rule.source_names(cfg, bid)
-            missing = [n for n in names if n not in weight_map]
-            if missing:
-                home = {weight_map[n] for n in by_layer.get(bid, [])}
-                where = next(iter(home)) if len(home) == 1 else source.index_path
-                raise PlanError(f"{where}: tensor {missing[0]} is missing ({rule.output_name(bid)} needs it)")
-            entries = [source.entry(n) for n in names]
-            if rule.per_expert:
-                _check_experts(rule, cfg, source, names, bid)
-            t = TRANSFORMS[rule.transform]
-            try:
-                if rule.dtype == "mxfp4":
-                    rows, cols = expert_dims(cfg, rule.output)
-                    shape = (cfg.n_expert, rows, cols)
-                else:
-                    shape = t.shape(*(e.shape for e in entries), cfg=cfg)
-            except TransformError as err:
-                raise PlanError(f"{entries[0].file}: tensor {entries[0].name}: {err}") from None
-            gtype = _output_type(
-                rule, entries[0].dtype, outtype, f"{entries[0].file}: tensor {entries[0].name}"
-            )
-            tensors.append(PlannedTensor(TensorInfo(rule.output_name(bid), gtype, shape), tuple(names), rule))
-            used.update(names)
-            files.update(weight_map[n] for n in names)
+            pt = plan_tensor(rule, cfg, source, bid, outtype, where)
+            if pt is not None:
+                tensors.append(pt)
+                used.update(pt.sources)
+                files.update(weight_map[n] for n in pt.sources)
         if len(files) != 1:
             label = "the output tensors" if bid is None else f"layer {bid}"
             raise PlanError(

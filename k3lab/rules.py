@@ -21,6 +21,7 @@ TEXT_PREFIX = "language_model."
 
 # which layers a rule applies to
 ALL, KDA, MLA, DENSE, MOE, LATENT, OUTPUT = "all", "kda", "mla", "dense", "moe", "latent", "output"
+VISION, VBLOCK = "vision", "vblock"  # the mmproj file: once, and per MoonViT block
 # what the checkpoint must look like for the rule to apply
 ANY, QUANTIZED, FLOAT, ATTN_RES = "any", "mxfp4", "float", "attn_res"
 
@@ -34,6 +35,8 @@ class Rule:
     layers: str = ALL
     when: str = ANY
     note: str = ""
+    prefix: str = TEXT_PREFIX
+    optional: bool = False  # e.g. a .bias the config says is absent: converted when present
 
     @property
     def per_expert(self) -> bool:
@@ -44,8 +47,10 @@ class Rule:
             return False
         if self.when == ATTN_RES and not cfg["attn_res_block_size"]:
             return False
-        if self.layers == OUTPUT:
+        if self.layers in (OUTPUT, VISION):
             return bid is None
+        if self.layers == VBLOCK:
+            return bid is not None
         if bid is None:
             return False
         return {
@@ -61,7 +66,7 @@ class Rule:
         names = []
         experts = range(cfg.n_expert) if self.per_expert else [None]
         for e in experts:  # expert-major: all of expert 0's sources, then expert 1's ...
-            names += [TEXT_PREFIX + s.format(bid=bid, e=e) for s in self.sources]
+            names += [self.prefix + s.format(bid=bid, e=e) for s in self.sources]
         return names
 
     def output_name(self, bid: int | None) -> str:
@@ -207,6 +212,68 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "blk.{bid}.ffn_up_exps.weight", (M + "experts.{e}.w3.weight",), "stack", "keep", MOE, FLOAT, "w3 = up"
     ),
+)
+
+
+# MoonViT tower + patchmergerv2 projector -> one mmproj GGUF, as llama.cpp's Kimi-K2.5 converter
+# names them (`clip` architecture, `v.*` and `mm.*` tensors). 1-D tensors and the patch embedding are
+# F32 (exact widening), everything else stays BF16 byte for byte.
+VT, VB, MP = "vision_tower.", "vision_tower.encoder.blocks.{bid}.", "mm_projector."
+
+
+def _vision(
+    output: str,
+    source: str,
+    transform: str = "copy",
+    dtype: str = "keep",
+    layers: str = VISION,
+    note: str = "",
+    optional: bool = False,
+) -> Rule:
+    return Rule(output, (source,), transform, dtype, layers, ANY, note, prefix="", optional=optional)
+
+
+VISION_RULES: tuple[Rule, ...] = (
+    _vision(
+        "v.patch_embd.weight",
+        VT + "patch_embed.proj.weight",
+        dtype="f32",
+        note="F32, as llama.cpp's clip wants",
+    ),
+    _vision("v.patch_embd.bias", VT + "patch_embed.proj.bias", dtype="f32", optional=True),
+    _vision("v.position_embd.weight", VT + "patch_embed.pos_emb.weight", note="[H, W, C] kept 3-D"),
+    _vision(
+        "v.position_embd_time.weight",
+        VT + "patch_embed.pos_emb.time_weight",
+        "squeeze_time",
+        note="K3 extra: [T, 1, C] -> [T, C]",
+    ),
+    _vision("v.blk.{bid}.ln1.weight", VB + "norm0.weight", dtype="f32", layers=VBLOCK),
+    _vision("v.blk.{bid}.ln1.bias", VB + "norm0.bias", dtype="f32", layers=VBLOCK, optional=True),
+    _vision(
+        "v.blk.{bid}.attn_qkv.weight",
+        VB + "wqkv.weight",
+        "qkv_rope_split",
+        layers=VBLOCK,
+        note="fused qkv kept; Q and K rows permuted per head",
+    ),
+    _vision("v.blk.{bid}.attn_qkv.bias", VB + "wqkv.bias", "qkv_rope_split", "f32", VBLOCK, optional=True),
+    _vision("v.blk.{bid}.attn_out.weight", VB + "wo.weight", layers=VBLOCK),
+    _vision("v.blk.{bid}.attn_out.bias", VB + "wo.bias", dtype="f32", layers=VBLOCK, optional=True),
+    _vision("v.blk.{bid}.ln2.weight", VB + "norm1.weight", dtype="f32", layers=VBLOCK),
+    _vision("v.blk.{bid}.ln2.bias", VB + "norm1.bias", dtype="f32", layers=VBLOCK, optional=True),
+    _vision("v.blk.{bid}.ffn_up.weight", VB + "mlp.fc0.weight", layers=VBLOCK),
+    _vision("v.blk.{bid}.ffn_up.bias", VB + "mlp.fc0.bias", dtype="f32", layers=VBLOCK, optional=True),
+    _vision("v.blk.{bid}.ffn_down.weight", VB + "mlp.fc1.weight", layers=VBLOCK),
+    _vision("v.blk.{bid}.ffn_down.bias", VB + "mlp.fc1.bias", dtype="f32", layers=VBLOCK, optional=True),
+    _vision("v.post_ln.weight", VT + "encoder.final_layernorm.weight", dtype="f32"),
+    _vision("v.post_ln.bias", VT + "encoder.final_layernorm.bias", dtype="f32", optional=True),
+    _vision("mm.input_norm.weight", MP + "pre_norm.weight", dtype="f32"),
+    _vision("mm.input_norm.bias", MP + "pre_norm.bias", dtype="f32", optional=True),
+    _vision("mm.1.weight", MP + "proj.0.weight", note="patchmergerv2 first linear"),
+    _vision("mm.1.bias", MP + "proj.0.bias", dtype="f32", optional=True),
+    _vision("mm.2.weight", MP + "proj.2.weight", note="patchmergerv2 second linear"),
+    _vision("mm.2.bias", MP + "proj.2.bias", dtype="f32", optional=True),
 )
 
 

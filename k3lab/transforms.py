@@ -136,6 +136,48 @@ def _stack_shape(*shapes: Shape, cfg: K3Config | None = None) -> Shape:
     return (len(shapes), *shapes[0])
 
 
+def _vision_heads(cfg: K3Config) -> int:
+    return int(cfg.vision["vt_num_attention_heads"])
+
+
+def _rope_perm(n_head: int, head_dim: int) -> np.ndarray:
+    """Row order that turns each head's interleaved 2-D RoPE pairs into llama.cpp's split layout:
+    within a head, rows (d//4, 2, 2) -> (2, d//4, 2)."""
+    return np.arange(n_head * head_dim).reshape(n_head, head_dim // 4, 2, 2).transpose(0, 2, 1, 3).reshape(-1)
+
+
+def qkv_rope_split(w: np.ndarray, cfg: K3Config) -> np.ndarray:
+    """MoonViT's fused wqkv [3*qkv, C] (or its bias): Q and K rows permuted per head, V untouched."""
+    qkv = w.shape[0] // 3
+    n_head = _vision_heads(cfg)
+    perm = _rope_perm(n_head, qkv // n_head)
+    return np.concatenate([w[:qkv][perm], w[qkv : 2 * qkv][perm], w[2 * qkv :]])
+
+
+def qkv_rope_merge(w: np.ndarray, cfg: K3Config) -> np.ndarray:
+    """The exact inverse of qkv_rope_split."""
+    qkv = w.shape[0] // 3
+    n_head = _vision_heads(cfg)
+    inv = np.argsort(_rope_perm(n_head, qkv // n_head))
+    return np.concatenate([w[:qkv][inv], w[qkv : 2 * qkv][inv], w[2 * qkv :]])
+
+
+def _qkv_shape(s: Shape, cfg: K3Config) -> Shape:
+    n_head = _vision_heads(cfg)
+    if s[0] % 3 or (s[0] // 3) % (4 * n_head):
+        raise TransformError(f"wqkv of shape {list(s)}: rows must be 3 x heads ({n_head}) x a multiple of 4")
+    return s
+
+
+def squeeze_time(w: np.ndarray, cfg: K3Config | None = None) -> np.ndarray:
+    """pos_emb.time_weight [T, 1, C] -> [T, C]."""
+    return w.reshape(w.shape[0], w.shape[-1])
+
+
+def unsqueeze_time(w: np.ndarray, cfg: K3Config | None = None) -> np.ndarray:
+    return w.reshape(w.shape[0], 1, w.shape[-1])
+
+
 def _same(*shapes: Shape, cfg: K3Config | None = None) -> Shape:
     return shapes[0]
 
@@ -156,6 +198,20 @@ TRANSFORMS: dict[str, Transform] = {
         Transform("k_b", k_b_from_kv_b, _k_b_shape, "kv_b per head: first qk_nope rows, transposed"),
         Transform("v_b", v_b_from_kv_b, _v_b_shape, "kv_b per head: last v_head_dim rows"),
         Transform("stack", stack, _stack_shape, "experts stacked on a new outer axis"),
+        Transform(
+            "qkv_rope_split",
+            qkv_rope_split,
+            _qkv_shape,
+            "Q and K rows permuted per head (interleaved -> split 2-D RoPE), V as is",
+            inverse=qkv_rope_merge,
+        ),
+        Transform(
+            "squeeze_time",
+            squeeze_time,
+            lambda s, cfg=None: (s[0], s[-1]),
+            "[T, 1, C] -> [T, C]",
+            inverse=unsqueeze_time,
+        ),
         Transform(
             "mxfp4_stack",
             stack,

@@ -246,4 +246,14 @@ def synthesize(preset: str, out: str | os.PathLike, seed: int = 0, experts: int 
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     write_tokenizer_files(out, cfg, seed)
+    if cfg.vision:
+        pre = {
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "patch_size": cfg.vision["patch_size"],
+            "merge_kernel_size": cfg.vision["merge_kernel_size"],
+            "in_patch_limit": 16384,
+            "image_processor_type": "KimiK25VisionProcessor",
+        }
+        (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2) + "\n", encoding="utf-8")
     return SynthResult(out, preset, len(shards), len(weight_map), total, _disk_usage(out))
