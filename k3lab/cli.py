@@ -89,6 +89,17 @@ def _vision(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_logits(args: argparse.Namespace) -> int:
+    from .logits import check_logits
+
+    tokens = [int(t) for t in args.tokens.replace(",", " ").split()] if args.tokens else None
+    report = check_logits(
+        args.meta, args.src or args.meta, args.gguf, args.prompt, tokens, args.threshold, args.mode
+    )
+    print(report.table())
+    return 0 if report.ok else 1
+
+
 def _common_source(p: argparse.ArgumentParser) -> None:
     p.add_argument("--meta", required=True, help="folder with config.json, the index and the tokenizer files")
     p.add_argument("--src", help="folder with the safetensors shards (default: --meta)")
@@ -144,6 +155,21 @@ def build_parser() -> argparse.ArgumentParser:
     vi.add_argument("--src", help="folder with the safetensors shards (default: --meta)")
     vi.add_argument("--out", required=True, help="e.g. OUT_DIR/mmproj-Kimi-K3-BF16.gguf")
     vi.set_defaults(func=_vision)
+
+    cl = sub.add_parser("check-logits", help="NumPy reference on the source vs llama.cpp on the GGUF")
+    cl.add_argument("--meta", required=True)
+    cl.add_argument("--src", help="folder with the safetensors shards (default: --meta)")
+    cl.add_argument("--gguf", required=True, help="the first file of the converted split set")
+    cl.add_argument("--prompt", help="text to tokenize (default: a built-in mixed prompt)")
+    cl.add_argument("--tokens", help="token ids instead of a prompt, e.g. '1,2,3'")
+    cl.add_argument("--threshold", type=float, default=1e-4, help="largest per-position NMSE (default 1e-4)")
+    cl.add_argument(
+        "--mode",
+        choices=["ggml", "f32"],
+        default="ggml",
+        help="ggml: round activations as llama.cpp's kernels do (sharp); f32: the model as written",
+    )
+    cl.set_defaults(func=_check_logits)
 
     v = sub.add_parser("verify", help="check a converted set against its manifest (and the source)")
     v.add_argument("out_dir")

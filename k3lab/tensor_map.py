@@ -26,7 +26,10 @@ TYPES = {"keep": "source dtype (BF16) or --outtype", "f32": "F32", "mxfp4": "MXF
 
 
 def _table(rules: tuple[Rule, ...]) -> list[str]:
-    lines = ["| GGUF tensor | source tensor(s) | transform | type | applies to |", "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "| GGUF tensor | source tensor(s) | transform | type | applies to |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for r in rules:
         sources = "<br>".join(f"`{s}`" for s in r.sources)
         doc = TRANSFORMS[r.transform].doc + (f"; {r.note}" if r.note else "")

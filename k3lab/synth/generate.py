@@ -53,8 +53,16 @@ def _layer_of(name: str) -> int:
     return int(next(g for g in m.groups() if g is not None)) if m else 0
 
 
+# The MoE adds a small update to the residual stream, as in a trained model. (A random MoE whose
+# output rivals the stream turns the runtime's Q8_0 activation rounding into large logit noise.)
+_MOE_OUT_GAIN = {"routed_expert_up_proj": 0.04, "shared_experts.down_proj": 0.04}
+
+
 def _gain(name: str) -> float:
     layer = _layer_of(name)
+    for key, gain in _MOE_OUT_GAIN.items():
+        if key in name:
+            return gain
     proj = next((p for p in _PROJ_GAIN if re.search(rf"[._]{p}[._]", name)), "o")
     return _PROJ_GAIN[proj] * (0.75 + 0.5 * (0.5 + 0.5 * np.sin(0.9 * layer + 1.3)))
 
@@ -68,8 +76,10 @@ def _mxfp4_scale(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
     centre += 0.6 * np.sin(expert * 2.1)  # experts differ
     row = rng.normal(0.0, 0.7, size=(rows, 1))  # rows differ
     e = np.rint(centre + row + rng.normal(0.0, 0.45, size=(rows, nblk)))
-    outliers = rng.random((rows, nblk)) < 2e-4  # rare blocks far from the rest
-    e = np.where(outliers, e + rng.choice([-40, -12, 9, 14], size=(rows, nblk)), e)
+    # rare blocks far below the rest (byte 0: an all-zero block) and a few a little above; never the
+    # huge upward outliers a corrupt checkpoint could have (the notebooks flag bytes 0 and >= 250)
+    outliers = rng.random((rows, nblk)) < 2e-4
+    e = np.where(outliers, e + rng.choice([-255, -40, -12, 3], size=(rows, nblk)), e)
     return np.clip(e, 0, 254).astype(np.uint8)
 
 
@@ -100,14 +110,25 @@ def tensor_values(spec: TensorSpec, seed: int) -> np.ndarray:
         x = 1.0 + 0.05 * layer / 8 + 0.08 * rng.standard_normal(shape)
     elif spec.kind == "embed":
         x = 0.5 * rng.standard_normal(shape)
-    elif spec.kind == "res_proj":
-        x = 0.5 * rng.standard_normal(shape)
+    elif spec.kind == "lm_head":
+        # Row v is mostly the embedding of token perm[v]: the last token's embedding, which AttnRes
+        # carries to the output, makes one next token stand out, as a trained model's logits do
+        # (a flat random softmax would make top-1 a coin toss between near-equal logits).
+        embed = 0.5 * _rng(seed, spec.name.replace("lm_head", "model.embed_tokens")).standard_normal(shape)
+        x = 2.0 * embed[rng.permutation(shape[0])] + 0.1 * rng.standard_normal(shape)
+    elif spec.kind == "res_proj":  # small: AttnRes scores of order one, as in a trained model
+        x = 0.02 * rng.standard_normal(shape)
     elif spec.kind == "conv":
         x = rng.standard_normal(shape) * 0.4
     elif spec.kind == "a_log":
         x = np.log(rng.uniform(1.0, 16.0, size=shape))
     elif spec.kind == "dt_bias":
         x = rng.normal(-1.0, 0.5, size=shape)
+    elif spec.kind == "router_bias":
+        # Spaced wider than sigmoid's range: each layer's experts have a fixed preference order, so
+        # which experts a token gets never hangs on a near-tie (a tie would make two correct
+        # implementations differ by rounding alone); the routing weights still follow the token.
+        x = 2.0 * rng.permutation(shape[0]) + rng.normal(0.0, 0.02, size=shape)
     elif spec.kind == "bias":
         x = rng.normal(0.0, 0.02, size=shape)
     elif spec.kind in ("patch", "pos"):

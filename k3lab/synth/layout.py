@@ -81,7 +81,7 @@ def _text_layer(cfg: K3Config, i: int, float_dtype: str) -> list[TensorSpec]:
     sh = ff * t["num_shared_experts"]
     specs += [
         TensorSpec(m + "gate.weight", f, (E, H), "linear"),
-        TensorSpec(m + "gate.e_score_correction_bias", "F32", (E,), "bias"),
+        TensorSpec(m + "gate.e_score_correction_bias", "F32", (E,), "router_bias"),
         TensorSpec(m + "shared_experts.gate_proj.weight", f, (sh, H), "linear"),
         TensorSpec(m + "shared_experts.up_proj.weight", f, (sh, H), "linear"),
         TensorSpec(m + "shared_experts.down_proj.weight", f, (H, sh), "linear"),
@@ -112,7 +112,7 @@ def _output_shard(cfg: K3Config, f: str) -> list[TensorSpec]:
     specs = [
         TensorSpec(LM + "model.embed_tokens.weight", f, (V, H), "embed"),
         TensorSpec(LM + "model.norm.weight", f, (H,), "norm"),
-        TensorSpec(LM + "lm_head.weight", f, (V, H), "linear"),
+        TensorSpec(LM + "lm_head.weight", f, (V, H), "lm_head"),
     ]
     if cfg["attn_res_block_size"]:
         specs += [

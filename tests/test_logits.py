@@ -1,0 +1,117 @@
+"""Proof by logits: the NumPy reference on the source agrees with llama.cpp on the GGUF, and a
+single wrong transform in a copy of the converted set is caught."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from conftest import convert
+from llama_support import needs_llama
+
+from k3lab.cli import main
+from k3lab.config import K3Config
+from k3lab.reference import Reference, round_q8_0
+from k3lab.source import LocalSource
+
+pytestmark = needs_llama
+
+
+@pytest.fixture(scope="module")
+def seed1(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("seed1")
+    assert main(["synth", "--preset", "tiny", "--seed", "1", "--out", str(root / "src")]) == 0
+    assert convert(root / "src", root / "out") == 0
+    return root / "src", root / "out"
+
+
+def _first(out: Path) -> Path:
+    return sorted(out.glob("*-00001-of-*.gguf"))[0]
+
+
+def _check(src: Path, out: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, str]:
+    code = main(["check-logits", "--meta", str(src), "--gguf", str(_first(out)), *extra])
+    return code, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("which", ["seed0", "seed1"])
+def test_reference_and_llama_cpp_agree(
+    which: str, tiny_src: Path, tiny_out: Path, seed1: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    src, out = (tiny_src, tiny_out) if which == "seed0" else seed1
+    code, text = _check(src, out, capsys)
+    rows = [line.split() for line in text.splitlines()[1:-1]]
+    assert len(rows) >= 32  # a 32-token prompt or longer
+    nmse = np.array([float(r[2]) for r in rows])
+    assert code == 0, text
+    assert nmse.max() <= 1e-4 and all(r[4] == r[5] for r in rows), text
+
+
+def _patch(path: Path, name: str, edit) -> None:
+    """Rewrite tensor `name` in place with edit(values as stored) -> new values of the same shape."""
+    r = gguf.GGUFReader(path)
+    t = next(t for t in r.tensors if t.name == name)
+    start, n = int(t.data_offset), int(t.n_bytes)
+    old = np.array(t.data)
+    new = np.ascontiguousarray(edit(old)).view(np.uint8).reshape(-1)
+    assert new.size == n
+    del r
+    with open(path, "r+b") as fh:
+        fh.seek(start)
+        fh.write(new.tobytes())
+
+
+CORRUPTIONS = {
+    # A_log folded without the minus: ssm_a = +exp(A_log)
+    "ssm_a without the minus": ("00002", "blk.1.ssm_a", lambda a: -a),
+    # k_b written untransposed (the bytes of [head, nope, kv_lora] under the declared [head, kv_lora, nope])
+    "k_b not transposed": (
+        "00004",
+        "blk.3.attn_k_b.weight",
+        lambda a: a.view(np.uint16).reshape(4, 64, 32).transpose(0, 2, 1).copy(),
+    ),
+    # the experts' gate and up swapped: written into each other's place
+    "gate/up swapped": ("00002", "blk.1.ffn_gate_exps.weight", None),
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPTIONS))
+def test_a_wrong_transform_fails_the_check(
+    case: str, tiny_src: Path, tiny_out: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "set"
+    shutil.copytree(tiny_out, out)
+    number, name, edit = CORRUPTIONS[case]
+    path = next(out.glob(f"*-{number}-of-*.gguf"))
+    if edit is None:
+        r = gguf.GGUFReader(path)
+        up = np.array(next(t for t in r.tensors if t.name == "blk.1.ffn_up_exps.weight").data)
+        gate = np.array(next(t for t in r.tensors if t.name == name).data)
+        del r
+        _patch(path, name, lambda _: up)
+        _patch(path, "blk.1.ffn_up_exps.weight", lambda _: gate)
+    else:
+        _patch(path, name, edit)
+    code, text = _check(tiny_src, out, capsys)
+    assert code == 1, text
+    assert "FAILED" in text.splitlines()[-1]
+
+
+def test_q8_0_rounding_matches_ggml_reference() -> None:
+    """The reference's Q8_0 activation rounding is ggml's quantize_row_q8_0 (gguf-py implements it)."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((4, 96)) * rng.uniform(0.1, 10, (4, 1))).astype(np.float32)
+    q = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0)
+    np.testing.assert_array_equal(round_q8_0(x), gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0))
+
+
+def test_f32_mode_is_the_model_as_written(tiny_src: Path) -> None:
+    ref_f32 = Reference(K3Config.load(tiny_src), LocalSource(tiny_src), mode="f32")
+    ref_ggml = Reference(K3Config.load(tiny_src), LocalSource(tiny_src), mode="ggml")
+    tokens = [5, 300, 1200, 77]
+    a, b = ref_f32.logits(tokens), ref_ggml.logits(tokens)
+    nmse = ((a - b) ** 2).sum(-1) / (a**2).sum(-1)
+    assert 0 < nmse.max() < 1e-2  # rounding the activations moves the logits a little, no more
