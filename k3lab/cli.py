@@ -52,7 +52,17 @@ def _convert(args: argparse.Namespace) -> int:
     )
     plan, _ = load_plan(job.meta_dir, job.src_dir, job.outtype, job.basename)
     numbers = parse_shards(args.shards, len(plan.files))
-    results = convert_shards(job, numbers, jobs=args.jobs, quiet=args.quiet)
+    if args.scheduler:  # fan out on Dask: one task per output file
+        from .batch import dask_map
+        from .manifest import merge
+        from .runner import run_one
+
+        results = sorted(
+            dask_map(run_one, [(job, k) for k in numbers], args.scheduler), key=lambda r: r.number
+        )
+        merge(job.out_dir)
+    else:
+        results = convert_shards(job, numbers, jobs=args.jobs, quiet=args.quiet)
     written = [r for r in results if not r.skipped]
     print(
         f"{len(written)} written, {len(results) - len(written)} already complete; "
@@ -98,6 +108,27 @@ def _check_logits(args: argparse.Namespace) -> int:
     )
     print(report.table())
     return 0 if report.ok else 1
+
+
+def _batch(args: argparse.Namespace) -> int:
+    from .batch import run_batch, summary
+    from .runner import load_plan, parse_shards
+
+    plan, _ = load_plan(str(args.meta), str(args.src or args.meta), "auto", "Kimi-K3")
+    shards = parse_shards(args.shards, len(plan.files))
+    run_dir, results = run_batch(
+        args.notebook,
+        args.meta,
+        args.src or args.meta,
+        args.out_dir,
+        shards,
+        args.scheduler,
+        args.workers,
+        args.run_id,
+        args.runs_dir,
+    )
+    print(summary(run_dir, results))
+    return 0 if all(r.status == "ok" for r in results) else 1
 
 
 def _common_source(p: argparse.ArgumentParser) -> None:
@@ -148,7 +179,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--force", action="store_true", help="redo files that are already complete")
     c.add_argument("--name", default="Kimi-K3", help="output basename (default: Kimi-K3)")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
+    c.add_argument("--scheduler", help="fan the shards out on this Dask scheduler instead of local processes")
     c.set_defaults(func=_convert)
+
+    b = sub.add_parser("batch", help="run a notebook once per shard with papermill, on Dask")
+    b.add_argument("--notebook", default="notebooks/03-convert-shard.ipynb")
+    b.add_argument("--meta", required=True)
+    b.add_argument("--src", help="folder with the safetensors shards (default: --meta)")
+    b.add_argument("--out-dir", required=True)
+    b.add_argument("--shards", default=None, help="N, A-B or a comma mix (default: all)")
+    b.add_argument("--scheduler", help="address of a running Dask scheduler (default: a LocalCluster)")
+    b.add_argument("--workers", type=int, default=2, help="LocalCluster worker processes")
+    b.add_argument("--run-id", help="default: a timestamp")
+    b.add_argument("--runs-dir", default="papermill_runs")
+    b.set_defaults(func=_batch)
 
     vi = sub.add_parser("vision", help="the MoonViT tower and projector as an mmproj GGUF")
     vi.add_argument("--meta", required=True)

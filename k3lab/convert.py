@@ -204,6 +204,7 @@ def convert_file(
             "basename": plan.basename,
             "outtype": plan.outtype,
             "split_count": len(plan.files),
+            "split_tensors": plan.n_tensors,
             "size": path.stat().st_size,
             "plan_digest": digest,
             "data_start": data_start,

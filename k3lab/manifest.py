@@ -8,6 +8,7 @@ On disk (see README, "On-disk state"):
 
 A record:
   {"format": "k3lab-manifest/1", "kind": "text", "file": NAME, "number": k, "split_count": n,
+   "split_tensors": tensors in the whole set,
    "basename": "Kimi-K3", "outtype": "auto", "size": bytes, "plan_digest": hex,
    "data_start": offset of the first tensor, "header_sha256": hex (the bytes before data_start),
    "tensors": [{"name", "type", "ne", "nbytes", "offset", "sha256", "transform",

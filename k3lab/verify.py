@@ -107,10 +107,18 @@ def verify(
     src: str | Path | None = None,
     meta: str | Path | None = None,
     quiet: bool = False,
+    only: set[str] | None = None,
 ) -> Report:
-    """Check the split set in ``out_dir``; with ``src`` also re-derive it from the source."""
+    """Check the split set in ``out_dir``; with ``src`` also re-derive it from the source.
+    ``only`` restricts the check to those file names (one shard of a run still in progress)."""
     out_dir = Path(out_dir)
     man = load_manifest(out_dir, manifest)
+    n_tensors = sum(len(r["tensors"]) for r in man["files"] if r.get("kind", "text") == "text")
+    if only is not None:
+        man = {**man, "files": [r for r in man["files"] if r["file"] in only]}
+        missing = sorted(only - {r["file"] for r in man["files"]})
+        if missing:
+            return Report(problems=[f"{missing[0]}: no manifest record (not converted yet?)"])
     records = [r for r in man["files"] if r.get("kind", "text") == "text"]
     others = [r for r in man["files"] if r.get("kind", "text") != "text"]
     report = Report()
@@ -119,13 +127,12 @@ def verify(
         return report
     count = records[0]["split_count"] if records else 0
     present = {r["number"]: r for r in records}
-    for k in range(1, count + 1):
+    for k in range(1, count + 1 if only is None else 0):
         if k not in present:
             report.problems.append(f"split file {k} of {count}: not in the manifest (not converted yet?)")
     total = sum(r["size"] for r in records + others)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=True if quiet else None)
     names: dict[str, str] = {}
-    n_tensors = sum(len(r["tensors"]) for r in records)
     for rec in records + others:
         path = out_dir / rec["file"]
         if not path.exists():
@@ -144,7 +151,8 @@ def verify(
             except Exception as e:  # a header gguf-py cannot even parse
                 report.problems.append(f"{rec['file']}: header unreadable ({e})")
                 continue
-            want = {"split.no": rec["number"] - 1, "split.count": count, "split.tensors.count": n_tensors}
+            total = rec.get("split_tensors", n_tensors)
+            want = {"split.no": rec["number"] - 1, "split.count": count, "split.tensors.count": total}
             for key, value in want.items():
                 if fields.get(key) != value:
                     report.problems.append(f"{rec['file']}: {key} is {fields.get(key)}, expected {value}")

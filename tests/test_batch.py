@@ -1,0 +1,97 @@
+"""k3lab batch: the conversion notebook run per shard with papermill on a Dask LocalCluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from k3lab.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK = str(ROOT / "notebooks" / "03-convert-shard.ipynb")
+
+
+def _batch_cmd(src: Path, out: Path, runs: Path, run_id: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "k3lab.cli",
+        "batch",
+        "--notebook",
+        NOTEBOOK,
+        "--meta",
+        str(src),
+        "--out-dir",
+        str(out),
+        "--workers",
+        "2",
+        "--runs-dir",
+        str(runs),
+        "--run-id",
+        run_id,
+    ]
+
+
+def test_batch_on_a_local_cluster(tiny_src: Path, tiny_out: Path, tmp_path: Path, capsys) -> None:
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    code = main(
+        [
+            "batch",
+            "--notebook",
+            NOTEBOOK,
+            "--meta",
+            str(tiny_src),
+            "--out-dir",
+            str(out),
+            "--workers",
+            "2",
+            "--runs-dir",
+            str(runs),
+            "--run-id",
+            "first",
+        ]
+    )
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "9 ok, 0 failed" in text
+    executed = sorted((runs / "first").glob("shard-*.ipynb"))
+    assert [p.name for p in executed] == [f"shard-{k:02d}.ipynb" for k in range(1, 10)]
+    assert json.loads(executed[3].read_text())["cells"][1]["source"]  # a real executed notebook
+    assert main(["verify", str(out), "--quiet"]) == 0
+    for f in tiny_out.glob("*.gguf"):  # the same bytes as a plain conversion
+        assert (out / f.name).read_bytes() == f.read_bytes()
+
+
+def test_a_killed_worker_is_recovered_by_running_again(tiny_src: Path, tmp_path: Path) -> None:
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    proc = subprocess.Popen(
+        _batch_cmd(tiny_src, out, runs, "killed"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    victim = None
+    deadline = time.time() + 120
+    while time.time() < deadline and victim is None:
+        if list((runs / "killed").glob("shard-*.ipynb")) if (runs / "killed").exists() else []:
+            kids = psutil.Process(proc.pid).children(recursive=False)
+            workers = [k for k in kids if "spawn" in " ".join(k.cmdline())]
+            if workers:
+                victim = workers[0]
+        time.sleep(0.05)
+    assert victim is not None, "no Dask worker process found"
+    for child in victim.children(recursive=True):  # the kernel it is running, too
+        child.send_signal(signal.SIGKILL)
+    os.kill(victim.pid, signal.SIGKILL)
+    proc.communicate(timeout=300)  # the batch ends, with or without failed shards
+    again = subprocess.run(
+        _batch_cmd(tiny_src, out, runs, "again"), capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode == 0, again.stdout[-2000:]
+    assert "9 ok, 0 failed" in again.stdout
+    assert main(["verify", str(out), "--quiet"]) == 0
+    assert not list(out.glob("*.partial"))
