@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from .errors import K3LabError
 
@@ -46,6 +47,13 @@ def _plan(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from .runner import Job, convert_shards, load_plan, parse_shards
     from .synth.report import human_bytes
+
+    if args.repo:
+        return _convert_from_hub(args)
+    if args.src is None and not Path(args.meta, "model.safetensors.index.json").exists():
+        raise K3LabError(
+            f"{args.meta}: no model.safetensors.index.json; give --src, or --repo to stream from the Hub"
+        )
 
     job = Job(
         str(args.meta), str(args.src or args.meta), str(args.out_dir), args.outtype, args.name, args.force
@@ -131,6 +139,29 @@ def _batch(args: argparse.Namespace) -> int:
     return 0 if all(r.status == "ok" for r in results) else 1
 
 
+def _convert_from_hub(args: argparse.Namespace) -> int:
+    import os
+
+    from .hub import stream_convert
+
+    stats = stream_convert(
+        args.repo,
+        args.meta,
+        args.out_dir,
+        args.shards,
+        args.scratch,
+        args.revision,
+        args.keep_source,
+        args.outtype,
+        args.name,
+        args.force,
+        os.environ.get("HF_TOKEN"),
+        args.quiet,
+    )
+    print(stats.summary())
+    return 0
+
+
 def _common_source(p: argparse.ArgumentParser) -> None:
     p.add_argument("--meta", required=True, help="folder with config.json, the index and the tokenizer files")
     p.add_argument("--src", help="folder with the safetensors shards (default: --meta)")
@@ -180,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--name", default="Kimi-K3", help="output basename (default: Kimi-K3)")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
     c.add_argument("--scheduler", help="fan the shards out on this Dask scheduler instead of local processes")
+    c.add_argument(
+        "--repo", help="stream from this Hugging Face repo (e.g. moonshotai/Kimi-K3) instead of --src"
+    )
+    c.add_argument("--revision", help="branch, tag or commit of --repo (default: main)")
+    c.add_argument("--keep-source", action="store_true", help="keep downloaded shards in --scratch")
     c.set_defaults(func=_convert)
 
     b = sub.add_parser("batch", help="run a notebook once per shard with papermill, on Dask")
