@@ -196,6 +196,7 @@ if numba is not None:
     # the hash of any span costs O(1), so a miss (most lookups) never touches the bytes. A hit is
     # confirmed byte by byte, so the result is exact whatever the hash does.
     _B = np.uint64(0x100000001B3)
+    _EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
 
     @numba.njit(cache=True, inline="always")
     def _mix(h):  # pragma: no cover - compiled
@@ -210,17 +211,19 @@ if numba is not None:
 
     @numba.njit(cache=True, inline="always")
     def _find(buf, offs, table, bits, mask, h, start, end):  # pragma: no cover - compiled
-        """Rank of buf[start:end] (whose hash is h), or -1. table[slot] = (hash, rank);
+        """Rank of buf[start:end] (whose hash is h), or -1. table[slot] = (hash, rank | length << 32);
         ``bits`` is a bitset of all token hashes that stays in cache and answers most misses at once."""
         bit = _mix(h) >> np.uint64(41)
         if not (bits[bit >> np.uint64(6)] >> (bit & np.uint64(63))) & np.uint64(1):
             return -1
         slot = _slot(h, mask)
+        n = np.uint64(end - start)
         while True:
-            r = np.int64(table[slot, 1])
-            if r < 0:
+            word = table[slot, 1]
+            if word == _EMPTY:
                 return -1
-            if table[slot, 0] == h and offs[r + 1] - offs[r] == end - start:
+            if table[slot, 0] == h and (word >> np.uint64(32)) == n:
+                r = np.int64(word & np.uint64(0xFFFFFFFF))
                 o, same = offs[r], True
                 for i in range(end - start):
                     if buf[o + i] != buf[start + i]:
@@ -234,8 +237,11 @@ if numba is not None:
     def _merges_kernel(buf, offs):  # pragma: no cover - compiled
         n_tok = offs.shape[0] - 1
         max_len = 1
+        byte_rank = np.full(256, -1, dtype=np.int64)
         for r in range(n_tok):
             max_len = max(max_len, offs[r + 1] - offs[r])
+            if offs[r + 1] - offs[r] == 1:
+                byte_rank[buf[offs[r]]] = r
         power = np.empty(max_len + 1, dtype=np.uint64)
         power[0] = 1
         for i in range(max_len):
@@ -251,13 +257,13 @@ if numba is not None:
             cap *= 2
         mask = np.uint64(cap - 1)
         table = np.zeros((cap, 2), dtype=np.uint64)
-        table[:, 1] = np.uint64(0xFFFFFFFFFFFFFFFF)  # empty: rank reads as -1
+        table[:, 1] = _EMPTY
         for r in range(n_tok):
             slot = _slot(hashes[r], mask)
-            while np.int64(table[slot, 1]) >= 0:
+            while table[slot, 1] != _EMPTY:
                 slot = (slot + np.uint64(1)) & mask
             table[slot, 0] = hashes[r]
-            table[slot, 1] = r
+            table[slot, 1] = np.uint64(r) | (np.uint64(offs[r + 1] - offs[r]) << np.uint64(32))
         bits = np.zeros(1 << 17, dtype=np.uint64)  # 2**23 bits, 1 MiB
         for r in range(n_tok):
             bit = _mix(hashes[r]) >> np.uint64(41)
@@ -266,6 +272,7 @@ if numba is not None:
         right = np.full(n_tok, -1, dtype=np.int64)
         prefix = np.empty(max_len + 1, dtype=np.uint64)
         bounds = np.empty(max_len + 1, dtype=np.int64)  # parts are [bounds[i], bounds[i+1])
+        part_rank = np.empty(max_len, dtype=np.int64)  # rank of part i
         pair_rank = np.empty(max_len, dtype=np.int64)  # rank of parts i and i+1 joined, or -1
         for r in range(n_tok):
             start, n = offs[r], offs[r + 1] - offs[r]
@@ -275,6 +282,7 @@ if numba is not None:
             for i in range(n):
                 prefix[i + 1] = prefix[i] * _B + np.uint64(buf[start + i]) + np.uint64(1)
                 bounds[i] = i
+                part_rank[i] = byte_rank[buf[start + i]]
             bounds[n] = n
             n_parts = n
             for i in range(n_parts - 1):
@@ -290,8 +298,11 @@ if numba is not None:
                         best, best_i = pr, i
                 if best < 0 or best >= r:
                     break
+                part_rank[best_i] = best
                 for i in range(best_i + 1, n_parts):  # drop the boundary between the merged parts
                     bounds[i] = bounds[i + 1]
+                for i in range(best_i + 1, n_parts - 1):
+                    part_rank[i] = part_rank[i + 1]
                 for i in range(best_i, n_parts - 2):
                     pair_rank[i] = pair_rank[i + 1]
                 n_parts -= 1
@@ -308,12 +319,9 @@ if numba is not None:
                             start + a,
                             start + b,
                         )
-            if n_parts == 2:
-                m = bounds[1]
-                left[r] = _find(buf, offs, table, bits, mask, prefix[m], start, start + m)
-                right[r] = _find(
-                    buf, offs, table, bits, mask, prefix[n] - prefix[m] * power[n - m], start + m, start + n
-                )
+            if n_parts == 2:  # the parts' ranks are known: no lookup needed
+                left[r] = part_rank[0]
+                right[r] = part_rank[1]
         return left, right
 
 
@@ -322,7 +330,7 @@ def bpe_merge_ranks(tokens: list[bytes]) -> list[tuple[int, int]]:
     if numba is None:  # pragma: no cover
         ranks = {t: r for r, t in enumerate(tokens)}
         return [(ranks[a], ranks[b]) for a, b in merges_reference(tokens)]
-    lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
+    lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
     offs = np.zeros(len(tokens) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offs[1:])
     buf = np.frombuffer(b"".join(tokens), dtype=np.uint8)
@@ -396,7 +404,8 @@ def build_vocabulary(meta_dir: str | Path, cfg: K3Config | None = None) -> Vocab
         )
     as_unicode = tokens_to_unicode(ranked)
     # a merge's two parts are themselves ranked tokens, so their strings are already made
-    merges = [f"{as_unicode[a]} {as_unicode[b]}" for a, b in bpe_merge_ranks(ranked)]
+    pairs = bpe_merge_ranks(ranked)
+    merges = list(map(" ".join, ((as_unicode[a], as_unicode[b]) for a, b in pairs)))
     tokens = as_unicode + [f"[PAD{i}]" for i in range(len(ranked), n_vocab)]
     types = [TOKEN_NORMAL] * len(ranked) + [TOKEN_UNUSED] * (n_vocab - len(ranked))
     for i, content in specials.items():
