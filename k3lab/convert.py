@@ -127,6 +127,40 @@ def tensor_pieces(
         progress(sum(a.nbytes for a in arrays))
 
 
+def write_tensors(
+    path: Path,
+    arch: str,
+    kvs: list,
+    tensors: list[PlannedTensor],
+    source: Any,
+    cfg: K3Config,
+    progress: Progress | None = None,
+) -> tuple[list[dict[str, Any]], int]:
+    """Stream planned tensors into one GGUF file; returns their manifest entries and the data start."""
+    hashes = SourceHashes()
+    records = []
+    with GGUFStream(path, arch, kvs, [t.info for t in tensors]) as g:
+        for pt in tensors:
+            offset = g.data_offset_next()
+            sha = g.write(pt.name, tensor_pieces(pt, source, cfg, hashes, progress))
+            records.append(
+                {
+                    "name": pt.name,
+                    "type": pt.info.type.name,
+                    "ne": list(pt.info.ne),
+                    "nbytes": pt.nbytes,
+                    "offset": offset,
+                    "sha256": sha,
+                    "transform": pt.transform,
+                    "sources": [
+                        {"name": n, "file": source.weight_map[n], "sha256": hashes.hexdigest(n)}
+                        for n in pt.sources
+                    ],
+                }
+            )
+    return records, g.data_start
+
+
 def file_kvs(plan: Plan, pf: PlannedFile, meta_dir: str | Path) -> list:
     """Split keys in every file; the first also carries all metadata and the tokenizer."""
     from .tokenizer import build_vocabulary
@@ -170,29 +204,9 @@ def convert_file(
         if progress:
             progress(plan.source_files[pf.source_file])
         return FileResult(number, pf.filename, True, 0.0, pf.nbytes)
-    hashes = SourceHashes()
-    records = []
-    with GGUFStream(
-        out_dir / pf.filename, ARCH, file_kvs(plan, pf, meta_dir), [t.info for t in pf.tensors]
-    ) as g:
-        for pt in pf.tensors:
-            offset = g.data_offset_next()
-            sha = g.write(pt.name, tensor_pieces(pt, source, plan.cfg, hashes, progress))
-            records.append(
-                {
-                    "name": pt.name,
-                    "type": pt.info.type.name,
-                    "ne": list(pt.info.ne),
-                    "nbytes": pt.nbytes,
-                    "offset": offset,
-                    "sha256": sha,
-                    "transform": pt.transform,
-                    "sources": [
-                        {"name": n, "file": pf.source_file, "sha256": hashes.hexdigest(n)} for n in pt.sources
-                    ],
-                }
-            )
-        data_start = g.data_start
+    records, data_start = write_tensors(
+        out_dir / pf.filename, ARCH, file_kvs(plan, pf, meta_dir), pf.tensors, source, plan.cfg, progress
+    )
     path = out_dir / pf.filename
     write_record(
         out_dir,

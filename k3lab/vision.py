@@ -17,8 +17,7 @@ from gguf import GGUFValueType
 
 from .arch import KV
 from .config import K3Config
-from .convert import SourceHashes, tensor_pieces
-from .gguf_io import GGUFStream
+from .convert import write_tensors
 from .manifest import header_sha256, merge, write_record
 from .plan import OTHER_PREFIXES, PlanError, PlannedTensor, plan_tensor
 from .rules import VISION_RULES
@@ -120,30 +119,9 @@ def convert_vision(meta_dir: str | Path, src_dir: str | Path, out: str | Path) -
     source = LocalSource(src_dir, meta_dir)
     planned = plan_vision(cfg, source)
     out = Path(out)
-    hashes = SourceHashes()
-    records = []
-    with GGUFStream(
-        out, CLIP_ARCH, clip_kvs(cfg, preprocessor_config(meta_dir)), [p.info for p in planned]
-    ) as g:
-        for pt in planned:
-            offset = g.data_offset_next()
-            sha = g.write(pt.name, tensor_pieces(pt, source, cfg, hashes))
-            records.append(
-                {
-                    "name": pt.name,
-                    "type": pt.info.type.name,
-                    "ne": list(pt.info.ne),
-                    "nbytes": pt.nbytes,
-                    "offset": offset,
-                    "sha256": sha,
-                    "transform": pt.transform,
-                    "sources": [
-                        {"name": n, "file": source.weight_map[n], "sha256": hashes.hexdigest(n)}
-                        for n in pt.sources
-                    ],
-                }
-            )
-        data_start = g.data_start
+    records, data_start = write_tensors(
+        out, CLIP_ARCH, clip_kvs(cfg, preprocessor_config(meta_dir)), planned, source, cfg
+    )
     write_record(
         out.parent,
         {

@@ -250,27 +250,8 @@ def tiny_config() -> dict[str, Any]:
 
 def testmodel_config() -> dict[str, Any]:
     """Shaped like inference-optimization/Kimi-K3-0.40B (unquantized float32), at small size."""
-    cfg = _small(
-        8,
-        vocab=1792,
-        hidden=128,
-        heads=4,
-        ff=256,
-        q_lora=64,
-        kv_lora=64,
-        nope=32,
-        rope=16,
-        v=32,
-        kda_head=32,
-        experts=8,
-        topk=2,
-        shared=1,
-        moe_ff=64,
-        latent=96,
-        res_block=4,
-        vt_layers=2,
-        vt_hidden=64,
-    )
+    cfg = tiny_config()
+    cfg["text_config"]["num_shared_experts"] = 1
     t = cfg["text_config"]
     del t["quantization_config"]
     del t["linear_attn_config"]["gate_lower_bound"]
