@@ -158,10 +158,11 @@ def bench_tokenizer() -> list[tuple[str, str, str]]:
     import tempfile
     from pathlib import Path
 
+    from k3lab.bpe_merges import merges_reference
     from k3lab.config import K3Config
     from k3lab.synth.generate import write_tokenizer_files
     from k3lab.synth.presets import real_config
-    from k3lab.tokenizer import build_vocabulary, merges_reference, token_to_unicode
+    from k3lab.tokenizer import build_vocabulary, token_to_unicode
 
     with tempfile.TemporaryDirectory() as tmp:
         meta = Path(tmp)

@@ -150,5 +150,5 @@ def _fsync_dir(path: Path) -> None:
 def write_metadata_only(path: str | os.PathLike, arch: str, kvs: Sequence[KV]) -> Path:
     """A GGUF with KV metadata and no tensors (the standalone tokenizer file)."""
     with GGUFStream(path, arch, kvs, []) as g:
-        pass
-    return g.path
+        written = g.path  # the header and the metadata are the whole file
+    return written

@@ -23,7 +23,7 @@ import numpy as np
 
 from .errors import K3LabError
 from .safetensors_format import MAX_HEADER, TensorEntry, parse_header, read_header, read_tensor
-from .source import INDEX_NAME, SourceError, read_index
+from .source import INDEX_NAME, SourceBase, SourceError, read_index
 
 META_FILES = ("config.json", INDEX_NAME, "tiktoken.model", "tokenizer_config.json")
 OPTIONAL_META = ("preprocessor_config.json",)
@@ -89,7 +89,7 @@ class Transfer:
         )
 
 
-class HubSource:
+class HubSource(SourceBase):
     """A checkpoint on the Hub, read like LocalSource: headers remotely, tensor bytes once fetched."""
 
     def __init__(
@@ -182,21 +182,13 @@ class HubSource:
         entries, _ = parse_header(head[8 : 8 + n], f"{self.repo}/{file}", size or None)
         return entries
 
-    # --- LocalSource's interface ---
-    def files(self) -> list[str]:
-        return sorted(set(self.weight_map.values()))
-
+    # --- the SourceBase interface ---
     def header(self, file: str) -> dict[str, TensorEntry]:
         if file in self._local:
             return self._local[file]
         if file not in self._remote:
             self._remote[file] = self._remote_header(file)
         return self._remote[file]
-
-    def entry(self, name: str) -> TensorEntry:
-        if name not in self.weight_map:
-            raise SourceError(f"{self.index_path}: no tensor {name}")
-        return self.header(self.weight_map[name])[name]
 
     def array(self, name: str) -> np.ndarray:
         file = self.weight_map[name]

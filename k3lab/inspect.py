@@ -199,8 +199,8 @@ def tokenize_with_merges(meta: str | Path, text: str) -> dict[str, Any]:
     """Tokenize ``text`` with tiktoken (Kimi's split pattern) and list the merges each token used."""
     import tiktoken
 
+    from .bpe_merges import bpe_merges
     from .synth.bpe import KIMI_PAT_STR
-    from .tokenizer import bpe_merges
 
     ranked = read_tiktoken(Path(meta) / "tiktoken.model")
     enc = tiktoken.Encoding(

@@ -28,7 +28,7 @@ from .source import LocalSource
 
 
 class ShardSpecError(K3LabError):
-    pass
+    """A --shards value that is not N, A-B or a comma mix of them within the set."""
 
 
 def parse_shards(spec: str | None, n: int) -> list[int]:

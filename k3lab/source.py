@@ -9,6 +9,7 @@ index. Headers are validated by ``safetensors_format`` (offsets inside the file,
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,24 @@ def read_index(*dirs: str | Path) -> tuple[Path, dict[str, str]]:
     raise SourceError(f"{INDEX_NAME} not found in {', '.join(str(d) for d in dirs)}")
 
 
-class LocalSource:
+class SourceBase:
+    """What the planner and the converter use: the index, per-file headers, tensors by name.
+    Subclasses provide ``weight_map``, ``index_path``, ``header(file)`` and ``array(name)``."""
+
+    weight_map: dict[str, str]
+    index_path: Path
+    header: Callable[[str], dict[str, TensorEntry]]
+
+    def files(self) -> list[str]:
+        return sorted(set(self.weight_map.values()))
+
+    def entry(self, name: str) -> TensorEntry:
+        if name not in self.weight_map:
+            raise SourceError(f"{self.index_path}: no tensor {name}")
+        return self.header(self.weight_map[name])[name]
+
+
+class LocalSource(SourceBase):
     """A checkpoint in a local folder (the index may live in a separate ``meta`` folder)."""
 
     def __init__(self, src_dir: str | Path, meta_dir: str | Path | None = None):
@@ -46,9 +64,6 @@ class LocalSource:
         self._listed: dict[str, set[str]] = {}
         for name, file in self.weight_map.items():
             self._listed.setdefault(file, set()).add(name)
-
-    def files(self) -> list[str]:
-        return sorted(set(self.weight_map.values()))
 
     def path(self, file: str) -> Path:
         return self.src_dir / file
@@ -70,11 +85,6 @@ class LocalSource:
                 )
             self._headers[file] = entries
         return self._headers[file]
-
-    def entry(self, name: str) -> TensorEntry:
-        if name not in self.weight_map:
-            raise SourceError(f"{self.index_path}: no tensor {name}")
-        return self.header(self.weight_map[name])[name]
 
     def array(self, name: str) -> np.ndarray:
         return read_tensor(self.entry(name))

@@ -18,11 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = str(ROOT / "notebooks" / "03-convert-shard.ipynb")
 
 
-def _batch_cmd(src: Path, out: Path, runs: Path, run_id: str) -> list[str]:
+def _batch_args(src: Path, out: Path, runs: Path, run_id: str) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "k3lab.cli",
         "batch",
         "--notebook",
         NOTEBOOK,
@@ -39,25 +36,13 @@ def _batch_cmd(src: Path, out: Path, runs: Path, run_id: str) -> list[str]:
     ]
 
 
+def _batch_cmd(src: Path, out: Path, runs: Path, run_id: str) -> list[str]:
+    return [sys.executable, "-m", "k3lab.cli", *_batch_args(src, out, runs, run_id)]
+
+
 def test_batch_on_a_local_cluster(tiny_src: Path, tiny_out: Path, tmp_path: Path, capsys) -> None:
     out, runs = tmp_path / "out", tmp_path / "runs"
-    code = main(
-        [
-            "batch",
-            "--notebook",
-            NOTEBOOK,
-            "--meta",
-            str(tiny_src),
-            "--out-dir",
-            str(out),
-            "--workers",
-            "2",
-            "--runs-dir",
-            str(runs),
-            "--run-id",
-            "first",
-        ]
-    )
+    code = main(_batch_args(tiny_src, out, runs, "first"))
     text = capsys.readouterr().out
     assert code == 0, text
     assert "9 ok, 0 failed" in text

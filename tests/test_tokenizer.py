@@ -12,14 +12,13 @@ import pytest
 import tiktoken
 from llama_support import detokenize, needs_llama
 
+from k3lab.bpe_merges import bpe_merges, merges_reference
 from k3lab.cli import main
 from k3lab.synth.bpe import KIMI_PAT_STR
 from k3lab.synth.generate import extend_vocab
 from k3lab.tokenizer import (
     TokenizerError,
-    bpe_merges,
     build_vocabulary,
-    merges_reference,
     read_tiktoken,
     token_to_unicode,
     write_tokenizer_gguf,
