@@ -60,17 +60,7 @@ def _convert(args: argparse.Namespace) -> int:
     )
     plan, _ = load_plan(job.meta_dir, job.src_dir, job.outtype, job.basename)
     numbers = parse_shards(args.shards, len(plan.files))
-    if args.scheduler:  # fan out on Dask: one task per output file
-        from .batch import dask_map
-        from .manifest import merge
-        from .runner import run_one
-
-        results = sorted(
-            dask_map(run_one, [(job, k) for k in numbers], args.scheduler), key=lambda r: r.number
-        )
-        merge(job.out_dir)
-    else:
-        results = convert_shards(job, numbers, jobs=args.jobs, quiet=args.quiet)
+    results = convert_shards(job, numbers, jobs=args.jobs, quiet=args.quiet, scheduler=args.scheduler)
     written = [r for r in results if not r.skipped]
     print(
         f"{len(written)} written, {len(results) - len(written)} already complete; "

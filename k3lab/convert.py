@@ -29,7 +29,6 @@ from .rules import expert_dims
 from .transforms import TRANSFORMS
 
 COPY_CHUNK = 32 * 1024 * 1024  # bytes of rows per piece when copying or casting
-VALUE_TRANSFORMS = {"neg_exp", "fuse_res_score"}  # these compute on values (float32), not bytes
 Progress = Callable[[int], None]
 
 
@@ -118,7 +117,7 @@ def tensor_pieces(
     for e, a in zip(entries, arrays):
         hashes.feed(e.name, a)
     t = TRANSFORMS[pt.transform]
-    if pt.transform in VALUE_TRANSFORMS:
+    if t.on_values:
         out = t.fn(*(to_float32(a, e.dtype) for a, e in zip(arrays, entries)), cfg=cfg)
         yield cast(out, "F32", target)
     else:

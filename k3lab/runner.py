@@ -96,10 +96,19 @@ def convert_shards(
     numbers: list[int] | None = None,
     jobs: int = 1,
     quiet: bool = False,
+    scheduler: str | None = None,
 ) -> list[FileResult]:
-    """Convert the given output files (default: all), ``jobs`` at a time; merge the manifest."""
+    """Convert the given output files (default: all), ``jobs`` at a time, or one task each on the Dask
+    cluster at ``scheduler``; merge the manifest."""
     plan, _ = load_plan(job.meta_dir, job.src_dir, job.outtype, job.basename)
     numbers = numbers or list(range(1, len(plan.files) + 1))
+    if scheduler:
+        from .batch import dask_map
+
+        try:
+            return sorted(dask_map(run_one, [(job, k) for k in numbers], scheduler), key=lambda r: r.number)
+        finally:
+            merge(job.out_dir)
     Path(job.out_dir).mkdir(parents=True, exist_ok=True)
     disable = True if quiet else None  # None: tqdm shows bars only on a terminal
     overall, bars = _bars(plan, numbers, disable)

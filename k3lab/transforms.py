@@ -2,8 +2,9 @@
 
 Each transform takes the source arrays (float tensors as float32, BF16 already widened exactly)
 and the config, and returns the output array in numpy order. ``shape`` computes the output
-shape from the source shapes alone (the planner uses it; no data is read). ``rowwise`` marks
-transforms that may be applied to a slab of rows at a time (the converter streams those).
+shape from the source shapes alone (the planner uses it; no data is read). ``on_values`` marks
+the two that compute (on float32, BF16 widened exactly); the others only move bytes, so they run
+on BF16 bit patterns as they are.
 MXFP4 stacks are not here: they never become arrays of values (see ``mxfp4.repack_into``).
 """
 
@@ -31,7 +32,7 @@ class Transform:
     fn: Callable[..., np.ndarray]
     shape: Callable[..., Shape]
     doc: str
-    rowwise: bool = False
+    on_values: bool = False  # computes on float32 values; otherwise it only moves bytes (any dtype)
     inverse: Callable[..., np.ndarray] | None = None  # output (and config) -> the source array(s)
 
 
@@ -185,8 +186,8 @@ def _same(*shapes: Shape, cfg: K3Config | None = None) -> Shape:
 TRANSFORMS: dict[str, Transform] = {
     t.name: t
     for t in [
-        Transform("copy", copy, _same, "bytes copied as they are", rowwise=True, inverse=copy),
-        Transform("neg_exp", neg_exp, _neg_exp_shape, "-exp(A_log), first num_heads values"),
+        Transform("copy", copy, _same, "bytes copied as they are", inverse=copy),
+        Transform("neg_exp", neg_exp, _neg_exp_shape, "-exp(A_log), first num_heads values", on_values=True),
         Transform(
             "conv1d_4d",
             conv1d_4d,
@@ -194,7 +195,13 @@ TRANSFORMS: dict[str, Transform] = {
             "reshape [d_inner, 1, d_conv] -> ne [d_conv, 1, d_inner, 1]",
             inverse=conv1d_from_4d,
         ),
-        Transform("fuse_res_score", fuse_res_score, _fuse_shape, "norm.weight * proj.weight, exact in F32"),
+        Transform(
+            "fuse_res_score",
+            fuse_res_score,
+            _fuse_shape,
+            "norm.weight * proj.weight, exact in F32",
+            on_values=True,
+        ),
         Transform("k_b", k_b_from_kv_b, _k_b_shape, "kv_b per head: first qk_nope rows, transposed"),
         Transform("v_b", v_b_from_kv_b, _v_b_shape, "kv_b per head: last v_head_dim rows"),
         Transform("stack", stack, _stack_shape, "experts stacked on a new outer axis"),

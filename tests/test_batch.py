@@ -80,3 +80,25 @@ def test_a_killed_worker_is_recovered_by_running_again(tiny_src: Path, tmp_path:
     assert "9 ok, 0 failed" in again.stdout
     assert main(["verify", str(out), "--quiet"]) == 0
     assert not list(out.glob("*.partial"))
+
+
+def test_convert_fans_out_on_an_existing_scheduler(tiny_src: Path, tiny_out: Path, tmp_path: Path) -> None:
+    from dask.distributed import LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        code = main(
+            [
+                "convert",
+                "--meta",
+                str(tiny_src),
+                "--out-dir",
+                str(tmp_path),
+                "--quiet",
+                "--scheduler",
+                cluster.scheduler_address,
+            ]
+        )
+    assert code == 0
+    for f in tiny_out.glob("*.gguf"):
+        assert (tmp_path / f.name).read_bytes() == f.read_bytes()
+    assert main(["verify", str(tmp_path), "--quiet"]) == 0

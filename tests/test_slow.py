@@ -1,0 +1,39 @@
+"""Slow: real-size checks (run with `make test-slow`, i.e. `pytest -m slow`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from k3lab.bpe_merges import bpe_merges, merges_reference
+from k3lab.config import K3Config
+from k3lab.plan import build_plan
+from k3lab.source import LocalSource
+from k3lab.synth import synthesize
+from k3lab.synth.generate import write_tokenizer_files
+from k3lab.synth.presets import real_config
+from k3lab.tokenizer import read_tiktoken
+
+pytestmark = pytest.mark.slow
+
+
+def test_real_size_vocabulary_merges_equal_the_definition(tmp_path: Path) -> None:
+    raw = real_config()
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    write_tokenizer_files(tmp_path, K3Config.from_dict(raw), seed=0)
+    ranked = read_tiktoken(tmp_path / "tiktoken.model")
+    assert len(ranked) == 163_584
+    assert bpe_merges(ranked) == merges_reference(ranked)
+
+
+def test_plan_of_the_full_model(tmp_path: Path) -> None:
+    synthesize("full", tmp_path)
+    plan = build_plan(K3Config.load(tmp_path), LocalSource(tmp_path))
+    assert len(plan.files) == 94 and plan.label == "MXFP4"
+    exps = [t for f in plan.files for t in f.tensors if t.name.endswith("_exps.weight")]
+    assert len(exps) == 92 * 3
+    down = next(t for t in exps if t.name == "blk.5.ffn_down_exps.weight")
+    assert down.info.ne == (3072, 3584, 896) and down.info.type.name == "MXFP4"
+    assert sum(f.nbytes for f in plan.files) > 1.4 * 2**40
