@@ -105,7 +105,14 @@ def _check_logits(args: argparse.Namespace) -> int:
         args.meta, args.src or args.meta, args.gguf, args.prompt, tokens, args.threshold, args.mode
     )
     print(report.table())
-    return 0 if report.ok else 1
+    ok = report.ok
+    if args.blocks:
+        from .logits import check_blocks
+
+        blocks = check_blocks(args.meta, args.src or args.meta, args.gguf, report.tokens, args.mode)
+        print(blocks.table())
+        ok = ok and not blocks.failed
+    return 0 if ok else 1
 
 
 def _batch(args: argparse.Namespace) -> int:
@@ -238,6 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["ggml", "f32"],
         default="ggml",
         help="ggml: round activations as llama.cpp's kernels do (sharp); f32: the model as written",
+    )
+    cl.add_argument(
+        "--blocks",
+        action="store_true",
+        help="also compare each block given llama.cpp's own block input (names the wrong layer)",
     )
     cl.set_defaults(func=_check_logits)
 

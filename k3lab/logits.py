@@ -107,3 +107,59 @@ def check_logits(
     cfg = K3Config.load(meta_dir)
     ref = Reference(cfg, LocalSource(src_dir, meta_dir), mode).logits(tokens)
     return compare(tokens, ref, test, threshold)
+
+
+BLOCK_THRESHOLD = 1e-5
+
+
+@dataclass
+class BlockReport:
+    rows: list[tuple[str, float]]  # (llama.cpp tensor name, max NMSE over positions)
+    threshold: float = BLOCK_THRESHOLD
+
+    @property
+    def failed(self) -> list[str]:
+        return [name for name, nmse in self.rows if not nmse <= self.threshold]
+
+    def table(self) -> str:
+        lines = [
+            f"{'block output (llama.cpp name)':<32} {'max NMSE':>10}   given llama.cpp's own block input"
+        ]
+        for name, nmse in self.rows:
+            lines.append(f"{name:<32} {nmse:>10.3e}{'  <-- FAIL' if not nmse <= self.threshold else ''}")
+        lines.append(
+            f"{len(self.rows) - len(self.failed)}/{len(self.rows)} blocks agree (threshold "
+            f"{self.threshold:g})" + (f"; first wrong: {self.failed[0]}" if self.failed else "")
+        )
+        return "\n".join(lines)
+
+
+def check_blocks(
+    meta_dir: str | Path,
+    src_dir: str | Path,
+    gguf_path: str | Path,
+    tokens: list[int],
+    mode: str = "ggml",
+    threshold: float = BLOCK_THRESHOLD,
+) -> BlockReport:
+    """Each attention and FFN block of the reference, fed llama.cpp's own input, against its output."""
+    from .llama_trace import trace
+
+    cfg = K3Config.load(meta_dir)
+    ref = Reference(cfg, LocalSource(src_dir, meta_dir), mode)
+    block = int(cfg["attn_res_block_size"])
+    plan: list[tuple[str, str, object]] = []
+    for il in range(cfg.n_layer):
+        kind = "mla" if cfg.is_mla(il) else "kda"
+        # on a banked layer the attention output is the new stream, and llama.cpp names it so
+        out = f"prefix_sum_attn-{il}" if block and il % block == 0 else f"{kind}_out-{il}"
+        plan.append((f"attn_norm-{il}", out, ref.mla if kind == "mla" else ref.kda))
+        plan.append((f"ffn_norm-{il}", f"ffn_out-{il}", ref.moe if cfg.is_moe(il) else ref.dense))
+    got = trace(gguf_path, tokens, {name for pair in plan for name in pair[:2]})
+    rows = []
+    for inp, out, fn in plan:
+        il = int(out.rsplit("-", 1)[1])
+        want = fn(il, got[inp])
+        nmse = ((got[out] - want) ** 2).sum(-1) / np.maximum((want**2).sum(-1), 1e-30)
+        rows.append((f"{out}", float(nmse.max())))
+    return BlockReport(rows, threshold)

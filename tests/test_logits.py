@@ -66,15 +66,16 @@ def _patch(path: Path, name: str, edit) -> None:
 
 CORRUPTIONS = {
     # A_log folded without the minus: ssm_a = +exp(A_log)
-    "ssm_a without the minus": ("00002", "blk.1.ssm_a", lambda a: -a),
+    "ssm_a without the minus": ("00002", "blk.1.ssm_a", lambda a: -a, "kda_out-1"),
     # k_b written untransposed (the bytes of [head, nope, kv_lora] under the declared [head, kv_lora, nope])
     "k_b not transposed": (
         "00004",
         "blk.3.attn_k_b.weight",
         lambda a: a.view(np.uint16).reshape(4, 64, 32).transpose(0, 2, 1).copy(),
+        "mla_out-3",
     ),
     # the experts' gate and up swapped: written into each other's place
-    "gate/up swapped": ("00002", "blk.1.ffn_gate_exps.weight", None),
+    "gate/up swapped": ("00002", "blk.1.ffn_gate_exps.weight", None, "ffn_out-1"),
 }
 
 
@@ -84,7 +85,7 @@ def test_a_wrong_transform_fails_the_check(
 ) -> None:
     out = tmp_path / "set"
     shutil.copytree(tiny_out, out)
-    number, name, edit = CORRUPTIONS[case]
+    number, name, edit, wrong_block = CORRUPTIONS[case]
     path = next(out.glob(f"*-{number}-of-*.gguf"))
     if edit is None:
         r = gguf.GGUFReader(path)
@@ -95,9 +96,10 @@ def test_a_wrong_transform_fails_the_check(
         _patch(path, "blk.1.ffn_up_exps.weight", lambda _: gate)
     else:
         _patch(path, name, edit)
-    code, text = _check(tiny_src, out, capsys)
+    code, text = _check(tiny_src, out, capsys, "--blocks")
     assert code == 1, text
-    assert "FAILED" in text.splitlines()[-1]
+    assert "FAILED" in text
+    assert text.splitlines()[-1].endswith(f"first wrong: {wrong_block}"), text  # and it names the layer
 
 
 def test_q8_0_rounding_matches_ggml_reference() -> None:
@@ -115,3 +117,11 @@ def test_f32_mode_is_the_model_as_written(tiny_src: Path) -> None:
     a, b = ref_f32.logits(tokens), ref_ggml.logits(tokens)
     nmse = ((a - b) ** 2).sum(-1) / (a**2).sum(-1)
     assert 0 < nmse.max() < 1e-2  # rounding the activations moves the logits a little, no more
+
+
+def test_every_block_agrees_given_llama_cpps_own_inputs(
+    tiny_src: Path, tiny_out: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, text = _check(tiny_src, tiny_out, capsys, "--blocks")
+    assert code == 0, text
+    assert "16/16 blocks agree" in text
