@@ -108,7 +108,7 @@ class HubSource(SourceBase):
             if not (self.meta_dir / name).exists():
                 self._download_meta(name, optional=name in OPTIONAL_META)
         self.index_path, self.weight_map = read_index(self.meta_dir)
-        self._remote: dict[str, dict[str, TensorEntry]] = {}
+        self._headers: dict[str, dict[str, TensorEntry]] = {}  # remote headers (ranged reads)
         self._local: dict[str, dict[str, TensorEntry]] = {}
 
     # --- fetching ---
@@ -135,7 +135,7 @@ class HubSource(SourceBase):
         """Download one shard into scratch (resuming a partial download) and validate its header."""
         path = self._download(file, self.scratch)
         entries, _ = read_header(path)
-        remote = self._remote.get(file)
+        remote = self._headers.get(file)
         if remote is not None and {n: (e.dtype, e.shape, e.nbytes) for n, e in entries.items()} != {
             n: (e.dtype, e.shape, e.nbytes) for n, e in remote.items()
         }:
@@ -186,9 +186,9 @@ class HubSource(SourceBase):
     def header(self, file: str) -> dict[str, TensorEntry]:
         if file in self._local:
             return self._local[file]
-        if file not in self._remote:
-            self._remote[file] = self._remote_header(file)
-        return self._remote[file]
+        if file not in self._headers:
+            self._headers[file] = self._remote_header(file)
+        return self._headers[file]
 
     def array(self, name: str) -> np.ndarray:
         file = self.weight_map[name]

@@ -21,6 +21,7 @@ from .config import K3Config
 from .errors import K3LabError
 from .gguf_io import TensorInfo
 from .rules import RULES, TEXT_PREFIX, Rule, expert_dims
+from .safetensors_format import TensorEntry
 from .transforms import TRANSFORMS, TransformError
 
 OUTTYPES = ("auto", "bf16", "f16", "f32")
@@ -158,14 +159,14 @@ def _output_type(rule: Rule, src_dtype: str, outtype: str, where: str) -> GGMLQu
     return FLOAT_DTYPES[src_dtype] if outtype == "auto" else FLOAT_DTYPES[outtype.upper()]
 
 
-def _check_experts(rule: Rule, cfg: K3Config, source: Any, names: list[str], bid: int) -> None:
+def _check_experts(rule: Rule, cfg: K3Config, entries: list[TensorEntry], bid: int) -> None:
     rows, cols = expert_dims(cfg, rule.output)
     if rule.dtype == "mxfp4":
         want = {"weight_packed": ("U8", (rows, cols // 2)), "weight_scale": ("U8", (rows, cols // 32))}
     else:
         want = {"weight": (None, (rows, cols))}
-    for name in names:
-        e = source.entry(name)
+    for e in entries:
+        name = e.name
         dtype, shape = want[name.rsplit(".", 1)[1]]
         if (dtype and e.dtype != dtype) or e.shape != shape:
             raise PlanError(
@@ -188,7 +189,7 @@ def plan_tensor(
         raise PlanError(f"{where}: tensor {missing[0]} is missing ({rule.output_name(bid)} needs it)")
     entries = [source.entry(n) for n in names]
     if rule.per_expert:
-        _check_experts(rule, cfg, source, names, bid)
+        _check_experts(rule, cfg, entries, bid)
     try:
         if rule.dtype == "mxfp4":
             rows, cols = expert_dims(cfg, rule.output)
@@ -224,6 +225,7 @@ def build_plan(cfg: K3Config, source: Any, outtype: str = "auto", basename: str 
     units: list[int | None] = [*range(cfg.n_layer), None]  # layers in order, then the output tensors
     used: set[str] = set()
     planned: list[tuple[str, list[PlannedTensor]]] = []
+    sizes: dict[str, int] = {}
     for bid in units:
         tensors: list[PlannedTensor] = []
         files: set[str] = set()
@@ -241,7 +243,12 @@ def build_plan(cfg: K3Config, source: Any, outtype: str = "auto", basename: str 
                 f"{source.index_path}: {label} is spread over {len(files)} files ({', '.join(sorted(files))});"
                 " k3lab converts one source shard per output file"
             )
-        planned.append((files.pop(), tensors))
+        file = files.pop()
+        planned.append((file, tensors))
+        sizes[file] = sum(e.nbytes for e in source.header(file).values())
+        source.release_header(
+            file
+        )  # one shard's header in memory at a time (the real ones are ~1 MB of JSON)
     unused = [n for n in text_names if n not in used]
     if unused:
         raise PlanError(
@@ -259,7 +266,7 @@ def build_plan(cfg: K3Config, source: Any, outtype: str = "auto", basename: str 
     label = label_plan.label
     for f in label_plan.files:
         f.filename = output_filename(basename, label, f.number, len(planned))
-    label_plan.source_files = {f: sum(e.nbytes for e in source.header(f).values()) for f in sources}
+    label_plan.source_files = sizes
     return label_plan
 
 

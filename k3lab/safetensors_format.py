@@ -77,6 +77,28 @@ class TensorEntry(NamedTuple):
         return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
 
 
+def _entry_problem(file: str, name: str, dtype: str, shape: tuple, begin: int, end: int) -> str:
+    if dtype not in DTYPE_SIZE:
+        return f"{file}: tensor {name}: unknown dtype {dtype!r}"
+    if any(type(d) is not int or d < 0 for d in shape) or not 0 <= begin <= end:
+        return f"{file}: tensor {name}: bad shape {list(shape)} or offsets [{begin}, {end}]"
+    want = math.prod(shape) * DTYPE_SIZE[dtype]
+    return f"{file}: tensor {name}: {dtype} {list(shape)} needs {want} bytes, data_offsets span {end - begin}"
+
+
+def _check_overlaps(file: str, entries: dict[str, TensorEntry]) -> None:
+    items = [e for e in entries.values() if e.nbytes]
+    if len(items) < 2:
+        return
+    starts = np.fromiter((e.start for e in items), dtype=np.int64, count=len(items))
+    ends = starts + np.fromiter((e.nbytes for e in items), dtype=np.int64, count=len(items))
+    order = np.argsort(starts, kind="stable")
+    clash = np.nonzero(starts[order][1:] < ends[order][:-1])[0]
+    if clash.size:
+        a, b = items[order[clash[0]]], items[order[clash[0] + 1]]
+        raise SafetensorsError(f"{file}: tensors {a.name} and {b.name} overlap")
+
+
 def parse_header(
     raw: bytes, file: str, file_size: int | None
 ) -> tuple[dict[str, TensorEntry], dict[str, str]]:
@@ -90,35 +112,32 @@ def parse_header(
     data_start = 8 + len(raw)
     metadata = header.pop("__metadata__", None) or {}
     entries: dict[str, TensorEntry] = {}
+    limit = None if file_size is None else file_size - data_start
+    size_of, prod, make = DTYPE_SIZE.get, math.prod, TensorEntry
     for name, info in header.items():
         try:
-            dtype, shape, (begin, end) = (
-                info["dtype"],
-                tuple(int(x) for x in info["shape"]),
-                info["data_offsets"],
+            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            size = size_of(dtype)
+            want = prod(shape) * size if size else -1
+            # JSON gives ints for whole numbers; a float dimension makes the product a float
+            ok = (
+                size is not None
+                and type(want) is int
+                and want == end - begin
+                and 0 <= begin
+                and (not shape or min(shape) >= 0)
             )
         except (KeyError, TypeError, ValueError):
             raise SafetensorsError(f"{file}: tensor {name}: header entry is malformed: {info!r}") from None
-        if dtype not in DTYPE_SIZE:
-            raise SafetensorsError(f"{file}: tensor {name}: unknown dtype {dtype!r}")
-        if (shape and min(shape) < 0) or not (0 <= begin <= end):
-            raise SafetensorsError(f"{file}: tensor {name}: bad shape {shape} or offsets [{begin}, {end}]")
-        want = math.prod(shape) * DTYPE_SIZE[dtype]
-        if end - begin != want:
-            raise SafetensorsError(
-                f"{file}: tensor {name}: {dtype} {list(shape)} needs {want} bytes, "
-                f"data_offsets span {end - begin}"
-            )
-        if file_size is not None and data_start + end > file_size:
+        if not ok:
+            raise SafetensorsError(_entry_problem(file, name, dtype, shape, begin, end))
+        if limit is not None and end > limit:
             raise SafetensorsError(
                 f"{file}: tensor {name}: data ends at byte {data_start + end}, "
                 f"past the end of the file ({file_size} bytes; truncated?)"
             )
-        entries[name] = TensorEntry(name, dtype, shape, data_start + begin, end - begin, file)
-    spans = sorted((e.start, e.start + e.nbytes, e.name) for e in entries.values() if e.nbytes)
-    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
-        if start_b < end_a:
-            raise SafetensorsError(f"{file}: tensors {a} and {b} overlap")
+        entries[name] = make(name, dtype, shape, data_start + begin, end - begin, file)
+    _check_overlaps(file, entries)
     return entries, metadata
 
 

@@ -44,6 +44,7 @@ class SourceBase:
     weight_map: dict[str, str]
     index_path: Path
     header: Callable[[str], dict[str, TensorEntry]]
+    _headers: dict[str, dict[str, TensorEntry]]
 
     def files(self) -> list[str]:
         return sorted(set(self.weight_map.values()))
@@ -52,6 +53,10 @@ class SourceBase:
         if name not in self.weight_map:
             raise SourceError(f"{self.index_path}: no tensor {name}")
         return self.header(self.weight_map[name])[name]
+
+    def release_header(self, file: str) -> None:
+        """Forget a parsed header (it is read again when needed): bounded memory while planning."""
+        self._headers.pop(file, None)
 
 
 class LocalSource(SourceBase):
