@@ -20,6 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from .errors import K3LabError
 from .manifest import merge
 
 KERNEL_START_ERRORS = (
@@ -113,6 +114,8 @@ def run_batch(
     run_id: str | None = None,
     runs_dir: str | Path = "papermill_runs",
 ) -> tuple[Path, list[ShardRun]]:
+    if not Path(notebook).is_file():
+        raise K3LabError(f"{notebook}: notebook not found (the repository's are in notebooks/)")
     run_id = run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
     run_dir = Path(runs_dir) / run_id
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -216,7 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_convert)
 
     b = sub.add_parser("batch", help="run a notebook once per shard with papermill, on Dask")
-    b.add_argument("--notebook", default="notebooks/03-convert-shard.ipynb")
+    b.add_argument(
+        "--notebook",
+        default=str(Path(__file__).resolve().parent.parent / "notebooks" / "03-convert-shard.ipynb"),
+        help="default: the repository's notebooks/03-convert-shard.ipynb",
+    )
     b.add_argument("--meta", required=True)
     b.add_argument("--src", help="folder with the safetensors shards (default: --meta)")
     b.add_argument("--out-dir", required=True)

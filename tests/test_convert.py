@@ -320,3 +320,39 @@ def test_mxfp4_source_with_f16_keeps_the_experts(tiny_src: Path, tmp_path: Path)
     (f,) = tmp_path.glob("Kimi-K3-MXFP4-00002-of-00009.gguf")
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(f).tensors}
     assert types["blk.1.ffn_up_exps.weight"] == "MXFP4" and types["blk.1.attn_q.weight"] == "F16"
+
+
+def test_plan_reports_files_tensors_disk_and_memory(
+    tiny_src: Path, tiny_out: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", "--meta", str(tiny_src), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["n_files"], plan["n_tensors"]) == (9, 218)
+    by_file = {f["filename"]: f for f in plan["files"]}
+    manifest = json.loads((tiny_out / "MANIFEST.json").read_text())
+    for rec in manifest["files"]:  # the plan predicted every tensor's type, shape and size
+        predicted = {t["name"]: (t["type"], t["ne"], t["bytes"]) for t in by_file[rec["file"]]["tensors"]}
+        assert predicted == {t["name"]: (t["type"], t["ne"], t["nbytes"]) for t in rec["tensors"]}
+    assert main(["plan", "--meta", str(tiny_src), "--jobs", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "9 output files" in table and "disk: final" in table and "for --jobs 2" in table
+
+
+def test_batch_needs_a_real_notebook(
+    tiny_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main(
+            [
+                "batch",
+                "--notebook",
+                str(tmp_path / "nope.ipynb"),
+                "--meta",
+                str(tiny_src),
+                "--out-dir",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 2
+    )
+    assert "nope.ipynb: notebook not found" in capsys.readouterr().err
