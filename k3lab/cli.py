@@ -283,6 +283,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except K3LabError as e:
         print(f"k3lab: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the machine's, not the input's: a full disk, a missing folder, a permission
+        print(f"k3lab: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("k3lab: interrupted", file=sys.stderr)
         return 130

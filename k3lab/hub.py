@@ -15,7 +15,7 @@ import shutil
 import struct
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +75,6 @@ class Transfer:
     converted: int = 0
     convert_seconds: float = 0.0
     peak_shards_on_disk: int = 0
-    log: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         def rate(n: int, s: float) -> str:

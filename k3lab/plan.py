@@ -271,7 +271,6 @@ def build_plan(cfg: K3Config, source: Any, outtype: str = "auto", basename: str 
 
 
 BASE_RSS = 160 * 1024 * 1024  # a worker's Python, numpy, numba and gguf before any tensor
-COPY_CHUNK = 32 * 1024 * 1024  # keep in step with convert.COPY_CHUNK
 
 
 def peak_piece_bytes(pt: PlannedTensor, cfg: K3Config) -> int:
@@ -282,6 +281,8 @@ def peak_piece_bytes(pt: PlannedTensor, cfg: K3Config) -> int:
     if pt.transform == "stack":
         return 2 * pt.nbytes // cfg.n_expert
     if pt.transform == "copy":
+        from .convert import COPY_CHUNK  # (convert imports this module)
+
         return 3 * min(pt.nbytes, COPY_CHUNK)
     return 3 * pt.nbytes
 

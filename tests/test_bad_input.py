@@ -137,3 +137,14 @@ def test_user_files_are_never_touched(tiny_src: Path, tmp_path: Path) -> None:
     assert main(["convert", "--meta", str(src), "--out-dir", str(out), "--quiet"]) == 2
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before
     assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_an_unusable_output_folder_is_one_line(
+    tiny_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "out"
+    blocker.write_text("a file where the output folder should be")
+    assert main(["convert", "--meta", str(tiny_src), "--out-dir", str(blocker), "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("k3lab: error:") and str(blocker) in err[0]
+    assert blocker.read_text().startswith("a file")  # the user's file is untouched
