@@ -63,7 +63,7 @@ class SourceHashes:
         self._h: dict[str, Any] = {}
 
     def feed(self, name: str, data: np.ndarray) -> None:
-        hashing.update(self._h.setdefault(name, hashing.sha256()), data)
+        hashing.update(self._h.setdefault(name, hashing.sha256()), data, hashing.SOURCE)
 
     def hexdigest(self, name: str) -> str:
         hashing.wait()

@@ -1,5 +1,7 @@
-"""SHA-256 on a second core: one background thread hashes in FIFO order while the caller reads,
-repacks and writes. hashlib releases the GIL on large buffers, so the two really overlap."""
+"""SHA-256 on the other core: background threads hash in FIFO order while the caller reads, repacks
+and writes. hashlib releases the GIL on large buffers, so the work really overlaps. Two lanes
+(output bytes on one, source bytes on the other) so that both hashes of a piece run at once; a
+given hasher always stays on one lane, which keeps its updates in order."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-_pool: ThreadPoolExecutor | None = None
+OUTPUT, SOURCE = 0, 1
+_lanes: list[ThreadPoolExecutor] = []
 _pending: list[Future] = []
 
 
@@ -19,12 +22,11 @@ def as_bytes(data: Any) -> memoryview:
     return memoryview(data).cast("B")
 
 
-def update(h: Any, data: Any) -> None:
+def update(h: Any, data: Any, lane: int = OUTPUT) -> None:
     """h.update(data) in the background; the caller must not change `data` before `wait()`."""
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(1, thread_name_prefix="k3lab-sha256")
-    _pending.append(_pool.submit(h.update, as_bytes(data)))
+    if not _lanes:
+        _lanes.extend(ThreadPoolExecutor(1, thread_name_prefix=f"k3lab-sha256-{i}") for i in range(2))
+    _pending.append(_lanes[lane].submit(h.update, as_bytes(data)))
 
 
 def wait() -> None:

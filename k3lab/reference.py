@@ -15,6 +15,7 @@ comes from the rule table.
 
 from __future__ import annotations
 
+import platform
 from typing import Any
 
 import numpy as np
@@ -63,13 +64,39 @@ def round_f16(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
 
 
-def round_q8_0(x: np.ndarray) -> np.ndarray:
-    """ggml's quantize_row_q8_0 and back: per 32 values d = amax/127 (stored as F16), q = round(x/d)."""
+def _q8_0_kernel() -> str:
+    """Which of ggml's quantize_row_q8_0 builds the local llama.cpp runs (they round differently)."""
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64", "i386", "i686"):
+        return "x86"  # the AVX/AVX2 path; every x86-64 build of llama.cpp today has AVX
+    return "arm" if machine in ("aarch64", "arm64") else "ref"
+
+
+Q8_0_KERNEL = _q8_0_kernel()
+
+
+def round_q8_0(x: np.ndarray, kernel: str | None = None) -> np.ndarray:
+    """ggml's quantize_row_q8_0 and back: per 32 values d = amax/127 (stored as F16), q = round(x/d).
+
+    The builds differ in the last bit, which matters when a value sits on a rounding boundary:
+    ``ref`` (quantize_row_q8_0_ref, gguf-py) multiplies by 1/d and rounds half away from zero;
+    ``arm`` (NEON) multiplies by 1/d and rounds half to even; ``x86`` (AVX) multiplies by 127/amax
+    and rounds half to even. The default is the kernel of this machine.
+    """
+    kernel = kernel or Q8_0_KERNEL
     x = np.asarray(x, dtype=np.float32)
     blocks = x.reshape(*x.shape[:-1], -1, 32)
-    d = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
-    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
-    q = np.trunc(blocks * inv + np.copysign(np.float32(0.5), blocks))  # roundf: half away from zero
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    d = amax / np.float32(127)
+    if kernel == "x86":
+        scaled = blocks * np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    else:
+        scaled = blocks * np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    if kernel == "ref":  # roundf; v - trunc(v) is exact in float32, so the tie test is too
+        q = np.trunc(scaled)
+        q += np.where(np.abs(scaled - q) >= 0.5, np.sign(scaled), np.float32(0))
+    else:
+        q = np.rint(scaled)
     return (q * round_f16(d)).reshape(x.shape)
 
 

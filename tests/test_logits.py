@@ -103,11 +103,30 @@ def test_a_wrong_transform_fails_the_check(
 
 
 def test_q8_0_rounding_matches_ggml_reference() -> None:
-    """The reference's Q8_0 activation rounding is ggml's quantize_row_q8_0 (gguf-py implements it)."""
+    """The reference's Q8_0 activation rounding, `ref` kernel, is ggml's quantize_row_q8_0_ref
+    (gguf-py implements it); the SIMD kernels agree with it away from rounding boundaries."""
     rng = np.random.default_rng(0)
-    x = (rng.standard_normal((4, 96)) * rng.uniform(0.1, 10, (4, 1))).astype(np.float32)
+    x = (rng.standard_normal((64, 96)) * rng.uniform(0.1, 10, (64, 1))).astype(np.float32)
     q = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0)
-    np.testing.assert_array_equal(round_q8_0(x), gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0))
+    want = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)
+    np.testing.assert_array_equal(round_q8_0(x, "ref"), want)
+    for kernel in ("x86", "arm"):
+        assert (round_q8_0(x, kernel) != want).mean() < 1e-3
+
+
+def test_q8_0_kernels_round_ties_as_ggml_builds_do() -> None:
+    """amax = 127 makes d = 1 exactly, so x = 2.5 and -0.5 are ties: roundf goes away from zero,
+    the SIMD builds to even."""
+    x = np.zeros((1, 32), np.float32)
+    x[0, :3] = [127.0, 2.5, -0.5]
+    assert round_q8_0(x, "ref")[0, :3].tolist() == [127.0, 3.0, -1.0]
+    for kernel in ("x86", "arm"):
+        assert round_q8_0(x, kernel)[0, :3].tolist() == [127.0, 2.0, -0.0]
+    # amax = 190.14227: 1/(amax/127) is one ulp above 127/amax, and x = 2.2457747 lands on 1.5 by
+    # the first multiplier (rounds to 2) and just below it by the second (rounds to 1)
+    x[0, :3] = [190.14227, 2.245774745941162, 0.0]
+    d = float(np.float16(np.float32(190.14227) / np.float32(127)))
+    assert round_q8_0(x, "arm")[0, 1] == 2 * d and round_q8_0(x, "x86")[0, 1] == 1 * d
 
 
 def test_f32_mode_is_the_model_as_written(tiny_src: Path) -> None:
