@@ -14,6 +14,7 @@ straightforward implementation), because these machines are shared and noisy. Ro
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -111,6 +112,7 @@ def _layer_row(experts: int) -> list[tuple[str, str, str]]:
         rss = 0
         for _ in range(3):
             for key, flag in (("k3lab", "0"), ("nohash", "1")):
+                os.sync()  # each run starts with no dirty pages left by the one before
                 r = subprocess.run(
                     [sys.executable, "-c", CONVERT_ONE, str(src), str(out), flag],
                     check=True,
@@ -120,7 +122,9 @@ def _layer_row(experts: int) -> list[tuple[str, str, str]]:
                 seconds, peak = r.stdout.split()
                 runs[key].append(float(seconds))
                 rss = max(rss, int(peak)) if key == "k3lab" else rss
+            os.sync()
             runs["cp"].append(_timed(["cp", str(shard), str(Path(tmp) / "copy")]))
+            os.sync()
             runs["cp+sync"].append(_timed(["sh", "-c", f"cp {shard} {tmp}/copy2 && sync {tmp}/copy2"]))
         best = {k: min(v) for k, v in runs.items()}
     mb = size / 1e6

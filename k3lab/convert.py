@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType
 from . import hashing, mxfp4
 from .arch import ARCH, general, hyperparameters
 from .config import K3Config
-from .gguf_io import GGUFStream, split_kvs
+from .gguf_io import PIECES_IN_FLIGHT, GGUFStream, split_kvs
 from .manifest import header_sha256, is_complete, write_record
 from .numerics import bf16_bits_to_f32, f32_to_bf16_bits
 from .plan import Plan, PlannedFile, PlannedTensor
@@ -87,11 +87,13 @@ def tensor_pieces(
     target = pt.info.type
     if pt.rule.dtype == "mxfp4":
         rows, cols = expert_dims(cfg, pt.name)
-        buf = np.empty((rows, mxfp4.row_bytes(cols)), dtype=np.uint8)
+        # buffers in turn: the writer is still hashing earlier experts while the next is repacked
+        bufs = [np.empty((rows, mxfp4.row_bytes(cols)), dtype=np.uint8) for _ in range(PIECES_IN_FLIGHT + 1)]
         for e in range(0, len(entries), 2):  # (packed, scale) per expert
             packed, scale = source.array(entries[e].name), source.array(entries[e + 1].name)
             hashes.feed(entries[e].name, packed)
             hashes.feed(entries[e + 1].name, scale)
+            buf = bufs[e // 2 % len(bufs)]
             mxfp4.repack_into(packed, scale, buf, what=f"{entries[e].file}: tensor {entries[e].name}")
             yield buf
             if progress:

@@ -6,6 +6,7 @@ given hasher always stays on one lane, which keeps its updates in order."""
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -13,7 +14,8 @@ import numpy as np
 
 OUTPUT, SOURCE = 0, 1
 _lanes: list[ThreadPoolExecutor] = []
-_pending: list[Future] = []
+_pending: deque[tuple[int, Future]] = deque()  # (sequence number, update) in submission order
+_submitted = 0
 
 
 def as_bytes(data: Any) -> memoryview:
@@ -23,16 +25,24 @@ def as_bytes(data: Any) -> memoryview:
 
 
 def update(h: Any, data: Any, lane: int = OUTPUT) -> None:
-    """h.update(data) in the background; the caller must not change `data` before `wait()`."""
+    """h.update(data) in the background; the caller must not change `data` until a `wait` covers it."""
+    global _submitted
     if not _lanes:
         _lanes.extend(ThreadPoolExecutor(1, thread_name_prefix=f"k3lab-sha256-{i}") for i in range(2))
-    _pending.append(_lanes[lane].submit(h.update, as_bytes(data)))
+    _pending.append((_submitted, _lanes[lane].submit(h.update, as_bytes(data))))
+    _submitted += 1
 
 
-def wait() -> None:
-    """Block until every queued update is done (before a buffer is reused or a digest is read)."""
-    while _pending:
-        _pending.pop(0).result()
+def mark() -> int:
+    """A point in the queue: `wait(upto=mark())` later waits for everything queued before now."""
+    return _submitted
+
+
+def wait(upto: int | None = None) -> None:
+    """Block until the updates queued before mark `upto` (all, by default) are done, so that the
+    buffers they read may be reused, or digests read."""
+    while _pending and (upto is None or _pending[0][0] < upto):
+        _pending.popleft()[1].result()
 
 
 def sha256() -> Any:

@@ -356,3 +356,35 @@ def test_batch_needs_a_real_notebook(
         == 2
     )
     assert "nope.ipynb: notebook not found" in capsys.readouterr().err
+
+
+def test_streamed_hashes_stay_right_when_the_producer_reuses_buffers(tmp_path: Path) -> None:
+    """The writer hashes on other threads while the producer refills its buffers: with the
+    documented rotation (PIECES_IN_FLIGHT + 1 buffers) every digest and byte is still right."""
+    import hashlib
+
+    import gguf
+
+    from k3lab.gguf_io import PIECES_IN_FLIGHT, GGUFStream, TensorInfo
+
+    rng = np.random.default_rng(7)
+    pieces = [rng.integers(0, 256, 1 << 20, dtype=np.uint8) for _ in range(12)]
+    bufs = [np.empty(1 << 20, np.uint8) for _ in range(PIECES_IN_FLIGHT + 1)]
+
+    def produce(chunk: list[np.ndarray]):
+        for i, p in enumerate(chunk):
+            buf = bufs[i % len(bufs)]  # free again: its piece was hashed PIECES_IN_FLIGHT pieces ago
+            buf[:] = 0
+            buf[:] = p
+            yield buf
+
+    infos = [TensorInfo(f"t{k}", gguf.GGMLQuantizationType.I8, (len(pieces) // 2 << 20,)) for k in range(2)]
+    path = tmp_path / "x.gguf"
+    with GGUFStream(path, "test", [], infos) as g:
+        digests = [g.write(f"t{k}", produce(pieces[k * 6 : k * 6 + 6])) for k in range(2)]
+    assert digests == [
+        hashlib.sha256(b"".join(p.tobytes() for p in pieces[k * 6 : k * 6 + 6])).hexdigest() for k in range(2)
+    ]
+    r = gguf.GGUFReader(path)
+    for k, t in enumerate(r.tensors):
+        assert np.array_equal(np.asarray(t.data).view(np.uint8), np.concatenate(pieces[k * 6 : k * 6 + 6]))
