@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,8 @@ class GGUFStream:
         self.partial = self.path.with_name(self.path.name + ".partial")
         self.infos = list(infos)
         self._next = 0
-        self._flushed = 0  # bytes handed to the kernel's writeback
+        self._flushed = self._dropped = 0  # file offsets handed to the kernel's writeback
+        self._writeback: ThreadPoolExecutor | None = None
         self.hashes: dict[str, str] = {}
         self._writer = GGUFWriter(self.partial, arch)
         for kv in kvs:
@@ -125,20 +127,33 @@ class GGUFStream:
         return self.hashes[name]
 
     def _start_writeback(self) -> None:
-        """Ask the kernel to start writing out what we have written so far (asynchronously), so
-        the closing fsync waits for the last stretch only, not the whole file."""
+        """Ask the kernel to start writing out what we have written so far, on a helper thread
+        (the request itself can take milliseconds), so that the closing fsync waits for the last
+        stretch only, not the whole file."""
         pos = self._fh.tell()
         if pos - self._flushed < WRITEBACK_STEP or not hasattr(os, "posix_fadvise"):
             return
         self._fh.flush()
-        # DONTNEED starts writeback of the dirty range and drops pages already clean: a
-        # conversion of 1.4 TiB has no use for its output in the page cache.
-        os.posix_fadvise(self._fh.fileno(), 0, pos, os.POSIX_FADV_DONTNEED)
-        self._flushed = pos
+        if self._writeback is None:
+            self._writeback = ThreadPoolExecutor(1, thread_name_prefix="k3lab-writeback")
+        # DONTNEED starts writeback of the dirty range and drops the pages already clean (a
+        # conversion of 1.4 TiB has no use for its output in the page cache). The range starts
+        # one step back: those pages were still being written at the last request.
+        start = self._dropped
+        self._writeback.submit(
+            os.posix_fadvise, self._fh.fileno(), start, pos - start, os.POSIX_FADV_DONTNEED
+        )
+        self._dropped, self._flushed = self._flushed, pos
+
+    def _stop_writeback(self) -> None:
+        if self._writeback is not None:
+            self._writeback.shutdown(wait=True)  # before the file descriptor is closed
+            self._writeback = None
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         fh = self._fh
         try:
+            self._stop_writeback()
             if exc_type is None:
                 if self._next != len(self.infos):
                     raise ValueError(
