@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +72,7 @@ class GGUFStream:
         self._next = 0
         self._flushed = self._dropped = 0  # file offsets handed to the kernel's writeback
         self._writeback: ThreadPoolExecutor | None = None
+        self._writeback_requests: list[Future] = []
         self.hashes: dict[str, str] = {}
         self._writer = GGUFWriter(self.partial, arch)
         for kv in kvs:
@@ -140,8 +141,10 @@ class GGUFStream:
         # conversion of 1.4 TiB has no use for its output in the page cache). The range starts
         # one step back: those pages were still being written at the last request.
         start = self._dropped
-        self._writeback.submit(
-            os.posix_fadvise, self._fh.fileno(), start, pos - start, os.POSIX_FADV_DONTNEED
+        self._writeback_requests.append(
+            self._writeback.submit(
+                os.posix_fadvise, self._fh.fileno(), start, pos - start, os.POSIX_FADV_DONTNEED
+            )
         )
         self._dropped, self._flushed = self._flushed, pos
 
@@ -149,6 +152,9 @@ class GGUFStream:
         if self._writeback is not None:
             self._writeback.shutdown(wait=True)  # before the file descriptor is closed
             self._writeback = None
+        requests, self._writeback_requests = self._writeback_requests, []
+        for r in requests:
+            r.result()  # a request that failed is a bug here: say so
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         fh = self._fh

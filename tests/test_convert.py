@@ -358,15 +358,25 @@ def test_batch_needs_a_real_notebook(
     assert "nope.ipynb: notebook not found" in capsys.readouterr().err
 
 
-def test_streamed_hashes_stay_right_when_the_producer_reuses_buffers(tmp_path: Path) -> None:
+def test_streamed_hashes_stay_right_when_the_producer_reuses_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The writer hashes on other threads while the producer refills its buffers: with the
     documented rotation (PIECES_IN_FLIGHT + 1 buffers) every digest and byte is still right."""
     import hashlib
 
-    import gguf
-
+    from k3lab import gguf_io
     from k3lab.gguf_io import PIECES_IN_FLIGHT, GGUFStream, TensorInfo
 
+    monkeypatch.setattr(gguf_io, "WRITEBACK_STEP", 3 << 20)  # and writeback requests on the way
+    fadvised: list[tuple[int, int]] = []
+    real_fadvise = os.posix_fadvise
+
+    def fadvise(fd: int, offset: int, n: int, advice: int) -> None:
+        fadvised.append((offset, n))
+        real_fadvise(fd, offset, n, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
     rng = np.random.default_rng(7)
     pieces = [rng.integers(0, 256, 1 << 20, dtype=np.uint8) for _ in range(12)]
     bufs = [np.empty(1 << 20, np.uint8) for _ in range(PIECES_IN_FLIGHT + 1)]
@@ -388,3 +398,6 @@ def test_streamed_hashes_stay_right_when_the_producer_reuses_buffers(tmp_path: P
     r = gguf.GGUFReader(path)
     for k, t in enumerate(r.tensors):
         assert np.array_equal(np.asarray(t.data).view(np.uint8), np.concatenate(pieces[k * 6 : k * 6 + 6]))
+    # the requests cover the file front to back, each starting one step behind the last one's end
+    assert len(fadvised) == 4 and fadvised[0][0] == 0  # 12 MiB in steps of 3 MiB
+    assert all(b[0] < a[0] + a[1] <= b[0] + b[1] for a, b in zip(fadvised, fadvised[1:]))
