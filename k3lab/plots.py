@@ -17,13 +17,22 @@ def scale_histograms(scales: dict[tuple[int, str], np.ndarray]) -> Figure:
     axes = fig.subplots(1, len(projs), sharey=True, squeeze=False)[0]
     names = {"w1": "gate (w1)", "w2": "down (w2)", "w3": "up (w3)"}
     for ax, proj in zip(axes, projs):
-        for (layer, p), s in sorted(scales.items()):
-            if p != proj:
-                continue
-            s = s.ravel()
-            e = s[(s > 0) & (s < 250)].astype(np.int32) - 127  # the outliers are listed, not plotted
-            bins = np.arange(e.min() - 0.5, e.max() + 1.5)
+        panel = {layer: s.ravel() for (layer, p), s in sorted(scales.items()) if p == proj}
+        # exponents; 255 is E8M0's NaN, not a scale
+        exps = {layer: s[s != 255].astype(np.int32) - 127 for layer, s in panel.items()}
+        every = np.concatenate(list(exps.values()))
+        # the axis spans the bulk: a few far outliers would squeeze every histogram into one bar
+        p_lo, p_hi = np.percentile(every, [0.1, 99.9])
+        lo, hi = max(int(every.min()), int(p_lo) - 2), min(int(every.max()), int(p_hi) + 2)
+        bins = np.arange(lo - 0.5, hi + 1.5)
+        for layer, e in exps.items():
             ax.hist(e, bins=bins, histtype="step", label=f"layer {layer}", density=True)
+        outside = int(((every < lo) | (every > hi)).sum())
+        if outside:
+            note = (
+                f"{outside} block{'s' * (outside > 1)} off the axis\n(min {every.min()}, max {every.max()})"
+            )
+            ax.text(0.02, 0.97, note, transform=ax.transAxes, va="top", fontsize="small")
         ax.set_title(f"E8M0 scale exponents, {names.get(proj, proj)}")
         ax.set_xlabel("exponent (scale byte - 127)")
         ax.legend(fontsize="small")

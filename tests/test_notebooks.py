@@ -104,3 +104,21 @@ def test_notebook_defaults_run_anywhere(tmp_path: Path) -> None:
     """With no parameters at all, a notebook synthesises what it needs (relative to its cwd)."""
     r = _result(run("03-convert-shard.ipynb", tmp_path))
     assert r["verified"] and (tmp_path / "k3-demo" / "out").is_dir()
+
+
+def test_scale_histogram_keeps_far_outliers_off_the_axis_and_says_so() -> None:
+    """One block at 2^-127 must not squeeze the histograms into a single bar: the axis spans the
+    bulk, and the panel says how many blocks it left off and where they are."""
+    import numpy as np
+
+    from k3lab.plots import scale_histograms
+
+    rng = np.random.default_rng(0)
+    bulk = (127 - 4 + rng.integers(-3, 3, (64, 32))).astype(np.uint8)
+    with_outlier = bulk.copy()
+    with_outlier[0, 0] = 0
+    fig = scale_histograms({(1, "w1"): bulk, (1, "w3"): with_outlier})
+    plain, squeezed = fig.axes
+    assert plain.get_xlim()[0] > -10 and squeezed.get_xlim()[0] > -10
+    assert [t.get_text() for t in plain.texts] == []
+    assert [t.get_text() for t in squeezed.texts] == ["1 block off the axis\n(min -127, max -2)"]
