@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from .mxfp4 import E2M1_VALUES
 
@@ -75,6 +76,7 @@ def block_stats(rows: list[dict[str, Any]], keys: list[str], title: str) -> Figu
     for k in keys:
         ax.plot(blocks, [r.get(k, np.nan) for r in rows], marker="o", label=k)
     ax.set_xlabel("block")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("weight standard deviation")
     ax.set_title(title)
     ax.legend(fontsize="small")
