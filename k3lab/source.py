@@ -74,7 +74,8 @@ class LocalSource(SourceBase):
         return self.src_dir / file
 
     def header(self, file: str) -> dict[str, TensorEntry]:
-        if file not in self._headers:
+        entries = self._headers.get(file)  # one lookup: another thread may release it meanwhile
+        if entries is None:
             path = self.path(file)
             if not path.exists():
                 raise SourceError(f"{self.index_path}: names {file}, which is not in {self.src_dir}")
@@ -89,7 +90,7 @@ class LocalSource(SourceBase):
                     f"{path}: tensor {extra[0]} is in this file but the index does not list it here"
                 )
             self._headers[file] = entries
-        return self._headers[file]
+        return entries
 
     def array(self, name: str) -> np.ndarray:
         return read_tensor(self.entry(name))

@@ -218,6 +218,28 @@ def test_any_order_one_at_a_time_gives_identical_files(
     )
 
 
+def test_conversions_in_threads_of_one_process_give_identical_files(
+    tiny_src: Path, tiny_out: Path, tmp_path: Path
+) -> None:
+    """A Dask worker with several threads runs several conversions in one process: each must
+    wait for its own background hashes only, and the set must come out the same."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from k3lab.manifest import merge
+    from k3lab.runner import Job, run_one
+
+    job = Job(str(tiny_src), str(tiny_src), str(tmp_path))
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda k: run_one(job, k), range(1, 10)))
+    assert sorted(r.number for r in results) == list(range(1, 10))
+    merge(tmp_path)
+    for a, b in zip(_files(tiny_out), _files(tmp_path), strict=True):
+        assert a.read_bytes() == b.read_bytes(), a.name
+    assert json.loads((tmp_path / "MANIFEST.json").read_text()) == json.loads(
+        (tiny_out / "MANIFEST.json").read_text()
+    )
+
+
 def test_rerun_skips_complete_files_and_redoes_damaged_ones(
     tiny_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
