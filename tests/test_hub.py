@@ -7,7 +7,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 from hub_server import HubServer
@@ -58,17 +57,20 @@ class ShardCounter(threading.Thread):
     def __init__(self, scratch: Path):
         super().__init__(daemon=True)
         self.scratch, self.peak, self.stop = scratch, 0, threading.Event()
+        self.looks = 0  # completed looks: the test checks the counter kept watching to the end
 
     def run(self) -> None:
-        while not self.stop.is_set():
-            if self.scratch.exists():
+        while not self.stop.wait(0.002):
+            try:
                 n = sum(
                     1
                     for p in self.scratch.rglob("*")
                     if p.name.endswith((".safetensors", ".incomplete")) and p.is_file()
                 )
-                self.peak = max(self.peak, n)
-            time.sleep(0.002)
+            except FileNotFoundError:  # a folder vanished while we walked it: look again
+                continue
+            self.peak = max(self.peak, n)
+            self.looks += 1
 
 
 def test_streaming_with_faults_gives_the_local_bytes(tiny_src: Path, tiny_out: Path, tmp_path: Path) -> None:
@@ -76,8 +78,10 @@ def test_streaming_with_faults_gives_the_local_bytes(tiny_src: Path, tiny_out: P
     counter.start()
     with HubServer(tiny_src, faults=True) as hub:
         result = _convert(hub, tmp_path)
+    assert counter.is_alive()  # watched the whole conversion
     counter.stop.set()
     counter.join()
+    assert counter.looks > 100
     assert result.returncode == 0, result.stderr[-3000:]
     assert "at most 2 source shards on disk" in result.stdout
     for f in sorted(tiny_out.glob("*.gguf")):
