@@ -85,7 +85,8 @@ def test_a_killed_worker_is_recovered_by_running_again(tiny_src: Path, tmp_path:
 def test_convert_fans_out_on_an_existing_scheduler(tiny_src: Path, tiny_out: Path, tmp_path: Path) -> None:
     from dask.distributed import LocalCluster
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+    # two threads a worker, as `dask worker` gives by default: conversions share a process
+    with LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=None) as cluster:
         code = main(
             [
                 "convert",
@@ -102,3 +103,6 @@ def test_convert_fans_out_on_an_existing_scheduler(tiny_src: Path, tiny_out: Pat
     for f in tiny_out.glob("*.gguf"):
         assert (tmp_path / f.name).read_bytes() == f.read_bytes()
     assert main(["verify", str(tmp_path), "--quiet"]) == 0
+    assert json.loads((tmp_path / "MANIFEST.json").read_text()) == json.loads(
+        (tiny_out / "MANIFEST.json").read_text()
+    )
