@@ -67,7 +67,7 @@ def round_f16(x: np.ndarray) -> np.ndarray:
 def _q8_0_kernel() -> str:
     """Which of ggml's quantize_row_q8_0 builds the local llama.cpp runs (they round differently)."""
     machine = platform.machine().lower()
-    if machine in ("x86_64", "amd64", "i386", "i686"):
+    if machine in ("x86_64", "amd64"):
         return "x86"  # the AVX/AVX2 path; every x86-64 build of llama.cpp today has AVX
     return "arm" if machine in ("aarch64", "arm64") else "ref"
 
@@ -84,6 +84,8 @@ def round_q8_0(x: np.ndarray, kernel: str | None = None) -> np.ndarray:
     and rounds half to even. The default is the kernel of this machine.
     """
     kernel = kernel or Q8_0_KERNEL
+    if kernel not in ("ref", "arm", "x86"):
+        raise ValueError(f"unknown Q8_0 kernel {kernel!r} (ref, arm or x86)")
     x = np.asarray(x, dtype=np.float32)
     blocks = x.reshape(*x.shape[:-1], -1, 32)
     amax = np.abs(blocks).max(-1, keepdims=True)

@@ -127,6 +127,8 @@ def test_q8_0_kernels_round_ties_as_ggml_builds_do() -> None:
     x[0, :3] = [190.14227, 2.245774745941162, 0.0]
     d = float(np.float16(np.float32(190.14227) / np.float32(127)))
     assert round_q8_0(x, "arm")[0, 1] == 2 * d and round_q8_0(x, "x86")[0, 1] == 1 * d
+    with pytest.raises(ValueError, match="unknown Q8_0 kernel 'avx'"):
+        round_q8_0(x, "avx")
 
 
 def test_f32_mode_is_the_model_as_written(tiny_src: Path) -> None:

@@ -122,3 +122,13 @@ def test_scale_histogram_keeps_far_outliers_off_the_axis_and_says_so() -> None:
     assert plain.get_xlim()[0] > -10 and squeezed.get_xlim()[0] > -10
     assert [t.get_text() for t in plain.texts] == []
     assert [t.get_text() for t in squeezed.texts] == ["1 block off the axis\n(min -127, max -2)"]
+
+
+def test_vision_block_plot_counts_blocks_in_whole_numbers() -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    from k3lab.plots import block_stats
+
+    fig = block_stats([{"block": 0, "wo": 0.1}, {"block": 1, "wo": 0.2}], ["wo"], "t")
+    assert isinstance(fig.axes[0].xaxis.get_major_locator(), MaxNLocator)
+    assert all(float(t).is_integer() for t in fig.axes[0].get_xticks())
