@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from k3lab import mxfp4
+from k3lab.formats import mxfp4
 
 ROWS: dict[str, Callable[[], list[tuple[str, str, str]]]] = {}
 
@@ -69,18 +69,18 @@ def bench_repack() -> list[tuple[str, str, str]]:
 
 CONVERT_ONE = """
 import resource, sys, time
-from k3lab.runner import load_plan
-from k3lab.convert import convert_file
+from k3lab.pipeline.runner import load_plan
+from k3lab.pipeline.convert import convert_file
 src, out, nohash = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 if nohash:  # measure the manifest's cost: the same run with a hasher that does nothing
-    import k3lab.hashing
+    import k3lab.formats.hashing
     class Null:
         def update(self, b): pass
         def hexdigest(self): return "0" * 64
-    k3lab.hashing.sha256 = Null
+    k3lab.formats.hashing.sha256 = Null
 plan, source = load_plan(src, src, "auto", "Kimi-K3")
 import numpy as np
-from k3lab import mxfp4
+from k3lab.formats import mxfp4
 mxfp4.repack(np.zeros((1, 16), np.uint8), np.zeros((1, 1), np.uint8))  # numba's one-time start (~1 s a process)
 t = time.perf_counter()
 convert_file(plan, 2, source, out, src, force=True)
@@ -165,11 +165,11 @@ def bench_tokenizer() -> list[tuple[str, str, str]]:
     import tempfile
     from pathlib import Path
 
-    from k3lab.bpe_merges import merges_reference
-    from k3lab.config import K3Config
+    from k3lab.formats.bpe_merges import merges_reference
+    from k3lab.kimi_k3.config import K3Config
+    from k3lab.kimi_k3.tokenizer import build_vocabulary, token_to_unicode
     from k3lab.synth.generate import write_tokenizer_files
     from k3lab.synth.presets import real_config
-    from k3lab.tokenizer import build_vocabulary, token_to_unicode
 
     with tempfile.TemporaryDirectory() as tmp:
         meta = Path(tmp)

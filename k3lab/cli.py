@@ -6,13 +6,18 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .errors import K3LabError
+from k3lab.errors import K3LabError
+
+if TYPE_CHECKING:
+    from k3lab.pipeline.runner import RunOptions
+    from k3lab.pipeline.sources import SourceSpec
 
 
 def _synth(args: argparse.Namespace) -> int:
-    from .synth import synthesize
-    from .synth.report import describe
+    from k3lab.synth import synthesize
+    from k3lab.synth.report import describe
 
     result = synthesize(args.preset, args.out, seed=args.seed, experts=args.experts)
     print(describe(result))
@@ -20,47 +25,99 @@ def _synth(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from k3lab.demo import run_demo
 
     return run_demo(args.workdir, seed=args.seed, jobs=args.jobs)
 
 
 def _tokenizer(args: argparse.Namespace) -> int:
-    from .tokenizer import write_tokenizer_gguf
+    from k3lab.kimi_k3.tokenizer import write_tokenizer_gguf
 
     print(write_tokenizer_gguf(args.meta, args.out))
     return 0
 
 
+def _source_spec(args: argparse.Namespace) -> SourceSpec:
+    """Where the checkpoint is: --src (local, default --meta) or --repo (the Hub); never both."""
+    import os
+
+    from k3lab.pipeline.sources import SourceSpec
+
+    repo = getattr(args, "repo", None)
+    if repo and args.src:
+        raise K3LabError("--repo and --src name two sources: give one")
+    for flag in ("scratch", "revision", "keep_source"):
+        if getattr(args, flag, None) and not repo:
+            raise K3LabError(f"--{flag.replace('_', '-')} is for streaming from the Hub: it needs --repo")
+    if repo:
+        return SourceSpec(
+            str(args.meta),
+            repo=repo,
+            revision=args.revision,
+            scratch=str(args.scratch or Path(args.out_dir) / ".k3lab" / "scratch"),
+            endpoint=os.environ.get("HF_ENDPOINT"),
+            token=os.environ.get("HF_TOKEN"),
+            keep_source=args.keep_source,
+        )
+    if args.src is None and not Path(args.meta, "model.safetensors.index.json").exists():
+        raise K3LabError(
+            f"{args.meta}: no model.safetensors.index.json; give --src, or --repo to stream from the Hub"
+        )
+    return SourceSpec(str(args.meta), src_dir=str(args.src or args.meta))
+
+
+def _run_options(args: argparse.Namespace) -> RunOptions:
+    from k3lab.kimi_k3.tokenizer import read_chat_template
+    from k3lab.pipeline.runner import RunOptions
+
+    template = read_chat_template(args.chat_template) if getattr(args, "chat_template", None) else None
+    return RunOptions(args.outtype, getattr(args, "name", "Kimi-K3"), template, getattr(args, "force", False))
+
+
 def _plan(args: argparse.Namespace) -> int:
     import json
 
-    from .config import K3Config
-    from .plan import build_plan, describe_plan
-    from .source import LocalSource
+    from k3lab.kimi_k3.config import K3Config
+    from k3lab.pipeline.plan import build_plan, describe_plan
+    from k3lab.pipeline.runner import prepare
 
-    plan = build_plan(K3Config.load(args.meta), LocalSource(args.src or args.meta, args.meta), args.outtype)
+    spec = _source_spec(args)
+    options = _run_options(args)
+    if args.out_dir:
+        plan = prepare(spec, args.out_dir, options)
+    else:
+        source = spec.open()
+        plan = build_plan(
+            K3Config.load(args.meta), source, options.outtype, options.basename, options.chat_template
+        )
     print(json.dumps(plan.to_json(), indent=1) if args.json else describe_plan(plan, args.jobs))
     return 0
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from .runner import Job, convert_shards, load_plan, parse_shards
-    from .synth.report import human_bytes
+    from k3lab.pipeline.runner import convert_shards, parse_shards, prepare
+    from k3lab.util import human_bytes
 
-    if args.repo:
-        return _convert_from_hub(args)
-    if args.src is None and not Path(args.meta, "model.safetensors.index.json").exists():
+    if args.scheduler and args.jobs != 1:
         raise K3LabError(
-            f"{args.meta}: no model.safetensors.index.json; give --src, or --repo to stream from the Hub"
+            "--jobs and --scheduler both say where to run: give one (Dask workers set their own)"
         )
-
-    job = Job(
-        str(args.meta), str(args.src or args.meta), str(args.out_dir), args.outtype, args.name, args.force
-    )
-    plan, _ = load_plan(job.meta_dir, job.src_dir, job.outtype, job.basename)
+    if args.jobs < 1:
+        raise K3LabError(f"--jobs {args.jobs}: give 1 or more")
+    spec = _source_spec(args)
+    options = _run_options(args)
+    plan = prepare(spec, args.out_dir, options)
     numbers = parse_shards(args.shards, len(plan.files))
-    results = convert_shards(job, numbers, jobs=args.jobs, quiet=args.quiet, scheduler=args.scheduler)
+    results = convert_shards(
+        spec,
+        args.out_dir,
+        numbers,
+        jobs=args.jobs,
+        quiet=args.quiet,
+        scheduler=args.scheduler,
+        options=options,
+        plan=plan,
+    )
     written = [r for r in results if not r.skipped]
     print(
         f"{len(written)} written, {len(results) - len(written)} already complete; "
@@ -70,7 +127,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .verify import verify
+    from k3lab.pipeline.verify import verify
 
     report = verify(args.out_dir, args.manifest, args.src, args.meta, quiet=args.quiet)
     for line in report.problems:
@@ -84,21 +141,21 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _tensor_map(args: argparse.Namespace) -> int:
-    from .tensor_map import tensor_map_markdown
+    from k3lab.tensor_map import tensor_map_markdown
 
     print(tensor_map_markdown(), end="")
     return 0
 
 
 def _vision(args: argparse.Namespace) -> int:
-    from .vision import convert_vision
+    from k3lab.pipeline.vision import convert_vision
 
     print(convert_vision(args.meta, args.src or args.meta, args.out))
     return 0
 
 
 def _check_logits(args: argparse.Namespace) -> int:
-    from .logits import check_logits
+    from k3lab.pipeline.logits import check_logits
 
     tokens = [int(t) for t in args.tokens.replace(",", " ").split()] if args.tokens else None
     report = check_logits(
@@ -107,7 +164,7 @@ def _check_logits(args: argparse.Namespace) -> int:
     print(report.table())
     ok = report.ok
     if args.blocks:
-        from .logits import check_blocks
+        from k3lab.pipeline.logits import check_blocks
 
         blocks = check_blocks(args.meta, args.src or args.meta, args.gguf, report.tokens, args.mode)
         print(blocks.table())
@@ -116,10 +173,11 @@ def _check_logits(args: argparse.Namespace) -> int:
 
 
 def _batch(args: argparse.Namespace) -> int:
-    from .batch import run_batch, summary
-    from .runner import load_plan, parse_shards
+    from k3lab.pipeline.batch import run_batch, summary
+    from k3lab.pipeline.runner import RunOptions, parse_shards, prepare
 
-    plan, _ = load_plan(str(args.meta), str(args.src or args.meta), "auto", "Kimi-K3")
+    spec = _source_spec(args)
+    plan = prepare(spec, args.out_dir, RunOptions())
     shards = parse_shards(args.shards, len(plan.files))
     run_dir, results = run_batch(
         args.notebook,
@@ -136,29 +194,6 @@ def _batch(args: argparse.Namespace) -> int:
     return 0 if all(r.status == "ok" for r in results) else 1
 
 
-def _convert_from_hub(args: argparse.Namespace) -> int:
-    import os
-
-    from .hub import stream_convert
-
-    stats = stream_convert(
-        args.repo,
-        args.meta,
-        args.out_dir,
-        args.shards,
-        args.scratch,
-        args.revision,
-        args.keep_source,
-        args.outtype,
-        args.name,
-        args.force,
-        os.environ.get("HF_TOKEN"),
-        args.quiet,
-    )
-    print(stats.summary())
-    return 0
-
-
 def _common_source(p: argparse.ArgumentParser) -> None:
     p.add_argument("--meta", required=True, help="folder with config.json, the index and the tokenizer files")
     p.add_argument("--src", help="folder with the safetensors shards (default: --meta)")
@@ -168,10 +203,23 @@ def _common_source(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto keeps MXFP4 and BF16 as they are; the float types convert every float matrix",
     )
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="a Jinja chat template to embed in file 1 (wins over the source's own)",
+    )
+    p.add_argument(
+        "--repo", help="stream from this Hugging Face repo (e.g. moonshotai/Kimi-K3) instead of --src"
+    )
+    p.add_argument("--revision", help="branch, tag or commit of --repo (default: main)")
+    p.add_argument(
+        "--scratch", default=None, help="where --repo downloads shards (default: OUT_DIR/.k3lab/scratch)"
+    )
+    p.add_argument("--keep-source", action="store_true", help="keep downloaded shards in --scratch")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .synth import PRESETS
+    from k3lab.synth import PRESETS
 
     p = argparse.ArgumentParser(prog="k3lab", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -194,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="what the conversion will write, from config, index and headers alone")
     _common_source(pl)
+    pl.add_argument("--out-dir", help="also save the plan there (.k3lab/plan.json), as convert does")
+    pl.add_argument("--name", default="Kimi-K3", help="output basename (default: Kimi-K3)")
     pl.add_argument("--jobs", type=int, default=1, help="for the disk and memory forecast")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(func=_plan)
@@ -203,16 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out-dir", required=True)
     c.add_argument("--shards", default=None, help="N, A-B or a comma mix (default: all)")
     c.add_argument("--jobs", type=int, default=1, help="shards converted in parallel processes")
-    c.add_argument("--scratch", default=None, help="working folder for downloads (Hub streaming)")
     c.add_argument("--force", action="store_true", help="redo files that are already complete")
     c.add_argument("--name", default="Kimi-K3", help="output basename (default: Kimi-K3)")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
     c.add_argument("--scheduler", help="fan the shards out on this Dask scheduler instead of local processes")
-    c.add_argument(
-        "--repo", help="stream from this Hugging Face repo (e.g. moonshotai/Kimi-K3) instead of --src"
-    )
-    c.add_argument("--revision", help="branch, tag or commit of --repo (default: main)")
-    c.add_argument("--keep-source", action="store_true", help="keep downloaded shards in --scratch")
     c.set_defaults(func=_convert)
 
     b = sub.add_parser("batch", help="run a notebook once per shard with papermill, on Dask")

@@ -11,12 +11,14 @@ import importlib.util
 import time
 from pathlib import Path
 
-from .runner import Job, convert_shards
-from .synth import synthesize
-from .synth.report import describe, human_bytes
-from .tokenizer import write_tokenizer_gguf
-from .verify import verify
-from .vision import convert_vision
+from k3lab.kimi_k3.tokenizer import write_tokenizer_gguf
+from k3lab.pipeline.runner import convert_shards
+from k3lab.pipeline.sources import SourceSpec
+from k3lab.pipeline.verify import verify
+from k3lab.pipeline.vision import convert_vision
+from k3lab.synth import synthesize
+from k3lab.synth.report import describe
+from k3lab.util import human_bytes
 
 
 def _generate(first_file: Path, n: int = 12) -> str:
@@ -48,7 +50,7 @@ def run_demo(workdir: str | Path, seed: int = 0, jobs: int = 2) -> int:
     step("synthesise", t, f"{result.n_shards} shards, {result.n_tensors} tensors in {src}")
 
     t = time.perf_counter()
-    files = convert_shards(Job(str(src), str(src), str(out)), jobs=jobs)
+    files = convert_shards(SourceSpec(str(src), src_dir=str(src)), out, jobs=jobs)
     written = sum(not f.skipped for f in files)
     step(
         "convert",

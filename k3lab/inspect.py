@@ -15,14 +15,14 @@ from typing import Any
 
 import numpy as np
 
-from . import mxfp4
-from .config import K3Config
-from .manifest import MANIFEST_NAME
-from .numerics import bf16_bits_to_f32
-from .plan import Plan, build_plan
-from .source import LocalSource
-from .tokenizer import build_vocabulary, read_tiktoken
-from .vision import plan_vision
+from k3lab.formats import mxfp4
+from k3lab.formats.manifest import MANIFEST_NAME
+from k3lab.formats.numerics import bf16_bits_to_f32
+from k3lab.kimi_k3.config import K3Config
+from k3lab.kimi_k3.tokenizer import build_vocabulary, read_tiktoken
+from k3lab.pipeline.plan import Plan, build_plan
+from k3lab.pipeline.sources import LocalSource
+from k3lab.pipeline.vision import plan_vision
 
 OUTLIER_LOW, OUTLIER_HIGH = 0, 250  # E8M0 bytes worth a look: an all-zero block, or ~2**123
 
@@ -199,8 +199,8 @@ def tokenize_with_merges(meta: str | Path, text: str) -> dict[str, Any]:
     """Tokenize ``text`` with tiktoken (Kimi's split pattern) and list the merges each token used."""
     import tiktoken
 
-    from .bpe_merges import bpe_merges
-    from .synth.bpe import KIMI_PAT_STR
+    from k3lab.formats.bpe_merges import bpe_merges
+    from k3lab.kimi_k3.tokenizer import KIMI_PAT_STR
 
     ranked = read_tiktoken(Path(meta) / "tiktoken.model")
     enc = tiktoken.Encoding(

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .rules import RULES, TEXT_PREFIX, VISION_RULES, Rule
-from .transforms import TRANSFORMS
+from k3lab.kimi_k3.rules import RULES, TEXT_PREFIX, VISION_RULES, Rule
+from k3lab.kimi_k3.transforms import TRANSFORMS
 
 LAYERS = {
     "all": "every layer",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from k3lab.cli import main
-from k3lab.safetensors_format import build_header
+from k3lab.formats.safetensors import build_header
 
 LAYER2 = "model-00003-of-00011.safetensors"  # holds layer 2
 EXP = "language_model.model.layers.2.block_sparse_moe.experts."

@@ -19,8 +19,8 @@ from gguf.quants import dequantize
 from llama_support import needs_llama
 from safetensors import safe_open
 
-from k3lab import mxfp4
 from k3lab.cli import main
+from k3lab.formats import mxfp4
 
 LM = "language_model.model."
 N_FILES = 9  # 8 layers + the output shard
@@ -225,8 +225,8 @@ def test_conversions_in_threads_of_one_process_give_identical_files(
     wait for its own background hashes only, and the set must come out the same."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from k3lab.manifest import merge
-    from k3lab.runner import Job, run_one
+    from k3lab.formats.manifest import merge
+    from k3lab.pipeline.runner import Job, run_one
 
     job = Job(str(tiny_src), str(tiny_src), str(tmp_path))
     with ThreadPoolExecutor(4) as pool:
@@ -387,8 +387,8 @@ def test_streamed_hashes_stay_right_when_the_producer_reuses_buffers(
     documented rotation (PIECES_IN_FLIGHT + 1 buffers) every digest and byte is still right."""
     import hashlib
 
-    from k3lab import gguf_io
-    from k3lab.gguf_io import PIECES_IN_FLIGHT, GGUFStream, TensorInfo
+    from k3lab.formats import gguf_stream as gguf_io
+    from k3lab.formats.gguf_stream import PIECES_IN_FLIGHT, GGUFStream, TensorInfo
 
     monkeypatch.setattr(gguf_io, "WRITEBACK_STEP", 3 << 20)  # and writeback requests on the way
     fadvised: list[tuple[int, int]] = []

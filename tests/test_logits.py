@@ -13,9 +13,9 @@ from conftest import convert
 from llama_support import needs_llama
 
 from k3lab.cli import main
-from k3lab.config import K3Config
-from k3lab.reference import Reference, round_q8_0
-from k3lab.source import LocalSource
+from k3lab.kimi_k3.config import K3Config
+from k3lab.kimi_k3.reference import Reference, round_q8_0
+from k3lab.pipeline.sources import LocalSource
 
 pytestmark = needs_llama
 

@@ -9,7 +9,7 @@ from gguf.quants import dequantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from k3lab import mxfp4
+from k3lab.formats import mxfp4
 
 MXFP4 = gguf.GGMLQuantizationType.MXFP4
 

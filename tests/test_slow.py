@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from k3lab.bpe_merges import bpe_merges, merges_reference
-from k3lab.config import K3Config
-from k3lab.plan import build_plan
-from k3lab.source import LocalSource
+from k3lab.formats.bpe_merges import bpe_merges, merges_reference
+from k3lab.kimi_k3.config import K3Config
+from k3lab.kimi_k3.tokenizer import read_tiktoken
+from k3lab.pipeline.plan import build_plan
+from k3lab.pipeline.sources import LocalSource
 from k3lab.synth import synthesize
 from k3lab.synth.generate import write_tokenizer_files
 from k3lab.synth.presets import real_config
-from k3lab.tokenizer import read_tiktoken
 
 pytestmark = pytest.mark.slow
 

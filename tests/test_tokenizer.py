@@ -12,17 +12,17 @@ import pytest
 import tiktoken
 from llama_support import detokenize, needs_llama
 
-from k3lab.bpe_merges import bpe_merges, merges_reference
 from k3lab.cli import main
-from k3lab.synth.bpe import KIMI_PAT_STR
-from k3lab.synth.generate import extend_vocab
-from k3lab.tokenizer import (
+from k3lab.formats.bpe_merges import bpe_merges, merges_reference
+from k3lab.kimi_k3.tokenizer import (
+    KIMI_PAT_STR,
     TokenizerError,
     build_vocabulary,
     read_tiktoken,
     token_to_unicode,
     write_tokenizer_gguf,
 )
+from k3lab.synth.generate import extend_vocab
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

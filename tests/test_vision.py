@@ -14,10 +14,10 @@ from test_bad_input import _tensors, _write
 from test_convert import Source
 
 from k3lab.cli import main
-from k3lab.config import K3Config
-from k3lab.numerics import f32_to_bf16_bits
-from k3lab.rules import VISION_RULES
-from k3lab.transforms import TRANSFORMS
+from k3lab.formats.numerics import f32_to_bf16_bits
+from k3lab.kimi_k3.config import K3Config
+from k3lab.kimi_k3.rules import VISION_RULES
+from k3lab.kimi_k3.transforms import TRANSFORMS
 
 # what llama.cpp reads for a Kimi-K2.5 (kimik25) projector, as its converter writes them
 K25_KEYS = {

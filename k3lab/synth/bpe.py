@@ -14,21 +14,11 @@ from pathlib import Path
 
 import regex
 
+from k3lab.kimi_k3.tokenizer import KIMI_PAT_STR
+
 # Kimi's split pattern (its tokenizer's pat_str): Han runs; words (two case shapes, Han excluded
 # by class intersection) with an optional contraction; 1-3 digits; punctuation runs; newlines;
 # trailing spaces; other spaces.
-KIMI_PAT_STR = "|".join(
-    [
-        r"""[\p{Han}]+""",
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""\p{N}{1,3}""",
-        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-        r"""\s*[\r\n]+""",
-        r"""\s+(?!\S)""",
-        r"""\s+""",
-    ]
-)
 _SPLIT = regex.compile(KIMI_PAT_STR, flags=regex.V1)
 
 

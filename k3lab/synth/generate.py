@@ -19,9 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import K3Config
-from ..numerics import f32_to_bf16_bits
-from ..safetensors_format import NUMPY_DTYPE, build_header, data_size
+from k3lab.formats.numerics import f32_to_bf16_bits
+from k3lab.formats.safetensors import NUMPY_DTYPE, build_header, data_size
+from k3lab.kimi_k3.config import K3Config
+
 from . import bpe
 from .layout import TensorSpec, checkpoint_layout, shard_filename
 from .presets import N_SPECIAL, PRESETS

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import K3Config
+from k3lab.kimi_k3.config import K3Config
 
 LM = "language_model."
 

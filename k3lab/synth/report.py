@@ -5,16 +5,10 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from ..safetensors_format import read_header
+from k3lab.formats.safetensors import read_header
+from k3lab.util import human_bytes
+
 from .generate import SynthResult
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def describe(result: SynthResult, max_rows: int = 12) -> str:

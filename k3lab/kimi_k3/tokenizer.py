@@ -23,13 +23,26 @@ from pathlib import Path
 
 from gguf import GGUFValueType
 
-from .arch import KV
-from .bpe_merges import bpe_merge_ranks
-from .config import K3Config
-from .errors import K3LabError
+from k3lab.errors import K3LabError
+from k3lab.formats.bpe_merges import bpe_merge_ranks
+from k3lab.formats.gguf_stream import KV
+from k3lab.kimi_k3.config import K3Config
 
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5  # gguf TokenType
 PRE_TOKENIZER = "kimi-k2"
+# Kimi's split pattern (tiktoken `pat_str`), as the facts give it; llama.cpp calls it `kimi-k2`
+KIMI_PAT_STR = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
 
 
 class TokenizerError(K3LabError):
@@ -103,6 +116,18 @@ def _read_tiktoken_checked(path: Path, lines: list[bytes]) -> list[bytes]:
         line_after = next((first_line[by_rank[r]] for r in sorted(by_rank) if r > missing), len(lines))
         raise TokenizerError(f"{path}:{line_after}: gap in ranks: rank {missing} is missing")
     return [by_rank[r] for r in range(n)]
+
+
+def read_chat_template(path: str | Path) -> str:
+    """A Jinja chat template file's text (``--chat-template FILE``)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{path}: cannot read the chat template ({e.__class__.__name__}: {e})") from None
+    if not text.strip():
+        raise TokenizerError(f"{path}: the chat template is empty")
+    return text
 
 
 def read_specials(path: str | Path) -> tuple[dict[int, str], dict]:
@@ -248,10 +273,9 @@ def build_vocabulary(meta_dir: str | Path, cfg: K3Config | None = None) -> Vocab
 
 def write_tokenizer_gguf(meta_dir: str | Path, out: str | Path) -> Path:
     """A standalone GGUF: the vocabulary plus every ``kimi-k3.*`` hyperparameter, no tensors."""
-    from .arch import ARCH, general, hyperparameters
-    from .gguf_io import write_metadata_only
+    from k3lab.formats.gguf_stream import write_metadata_only
+    from k3lab.kimi_k3.keys import ARCH, model_kvs
 
     cfg = K3Config.load(meta_dir)
-    vocab = build_vocabulary(meta_dir, cfg)
-    kvs = general(cfg, "Kimi-K3 tokenizer", "MXFP4_MOE" if cfg.is_mxfp4 else "BF16")
-    return write_metadata_only(out, ARCH, kvs + hyperparameters(cfg) + vocab.kvs())
+    kvs = model_kvs(cfg, meta_dir, "Kimi-K3 tokenizer", "MXFP4_MOE" if cfg.is_mxfp4 else "BF16")
+    return write_metadata_only(out, ARCH, kvs)

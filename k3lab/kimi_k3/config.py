@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import K3LabError
+from k3lab.errors import K3LabError
 
 
 class ConfigError(K3LabError):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import K3LabError
+from k3lab.errors import K3LabError
 
 try:  # numba is a dependency; the numpy path keeps the module importable without it
     import numba

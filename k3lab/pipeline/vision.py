@@ -15,13 +15,13 @@ from typing import Any
 
 from gguf import GGUFValueType
 
-from .arch import KV
-from .config import K3Config
-from .convert import write_tensors
-from .manifest import header_sha256, merge, write_record
-from .plan import OTHER_PREFIXES, PlanError, PlannedTensor, plan_tensor
-from .rules import VISION_RULES
-from .source import LocalSource
+from k3lab.formats.gguf_stream import KV
+from k3lab.formats.manifest import header_sha256, merge, write_record
+from k3lab.kimi_k3.config import K3Config
+from k3lab.kimi_k3.rules import VISION_RULES
+from k3lab.pipeline.convert import Reader, write_tensors
+from k3lab.pipeline.plan import OTHER_PREFIXES, PlanError, PlannedTensor, plan_tensor
+from k3lab.pipeline.sources import LocalSource
 
 CLIP_ARCH = "clip"
 PROJECTOR_TYPE = "kimik25"
@@ -119,9 +119,20 @@ def convert_vision(meta_dir: str | Path, src_dir: str | Path, out: str | Path) -
     source = LocalSource(src_dir, meta_dir)
     planned = plan_vision(cfg, source)
     out = Path(out)
-    records, data_start = write_tensors(
-        out, CLIP_ARCH, clip_kvs(cfg, preprocessor_config(meta_dir)), planned, source, cfg
-    )
+    files = sorted({source.weight_map[n] for pt in planned for n in pt.sources})
+    entries = {n: e for f in files for n, e in source.header(f).items()}
+    try:
+        records, data_start = write_tensors(
+            out,
+            CLIP_ARCH,
+            clip_kvs(cfg, preprocessor_config(meta_dir)),
+            planned,
+            Reader(source, entries),
+            {n: source.weight_map[n] for n in entries},
+        )
+    finally:
+        for f in files:
+            source.release(f)
     write_record(
         out.parent,
         {

@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from . import mxfp4
-from .config import K3Config
-from .numerics import bf16_bits_to_f32, f32_to_bf16_bits
-from .rules import RULES
+from k3lab.formats import mxfp4
+from k3lab.formats.numerics import bf16_bits_to_f32, f32_to_bf16_bits
+from k3lab.kimi_k3.config import K3Config
+from k3lab.kimi_k3.rules import RULES
 
 LM = "language_model."
 

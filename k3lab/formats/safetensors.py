@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import stat
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .errors import K3LabError
+from k3lab.errors import K3LabError
 
 DTYPE_SIZE = {
     "BOOL": 1,
@@ -80,7 +82,7 @@ class TensorEntry(NamedTuple):
 def _entry_problem(file: str, name: str, dtype: str, shape: tuple, begin: int, end: int) -> str:
     if dtype not in DTYPE_SIZE:
         return f"{file}: tensor {name}: unknown dtype {dtype!r}"
-    if any(type(d) is not int or d < 0 for d in shape) or not 0 <= begin <= end:
+    if any(type(d) is not int or d < 0 for d in (*shape, begin, end)) or not begin <= end:
         return f"{file}: tensor {name}: bad shape {list(shape)} or offsets [{begin}, {end}]"
     want = math.prod(shape) * DTYPE_SIZE[dtype]
     return f"{file}: tensor {name}: {dtype} {list(shape)} needs {want} bytes, data_offsets span {end - begin}"
@@ -99,13 +101,26 @@ def _check_overlaps(file: str, entries: dict[str, TensorEntry]) -> None:
         raise SafetensorsError(f"{file}: tensors {a.name} and {b.name} overlap")
 
 
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def _max_depth(raw: bytes) -> int:
+    """How deep brackets nest (strings left out), without recursion: json.loads recurses."""
+    b = np.frombuffer(_JSON_STRING.sub(b"", raw), dtype=np.uint8)
+    steps = (b == 0x7B).astype(np.int32) + (b == 0x5B) - (b == 0x7D) - (b == 0x5D)
+    return int(np.cumsum(steps).max()) if steps.size else 0
+
+
 def parse_header(
     raw: bytes, file: str, file_size: int | None
 ) -> tuple[dict[str, TensorEntry], dict[str, str]]:
     """Parse a header (the bytes after the 8-byte length). Returns (entries by name, __metadata__)."""
+    depth = _max_depth(raw)
+    if depth > MAX_NESTING:
+        raise SafetensorsError(f"{file}: header nests {depth} levels deep; a safetensors header is flat")
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise SafetensorsError(f"{file}: header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise SafetensorsError(f"{file}: header is not a JSON object")
@@ -120,8 +135,10 @@ def parse_header(
             size = size_of(dtype)
             want = prod(shape) * size if size else -1
             # JSON gives ints for whole numbers; a float dimension makes the product a float
+            ints = all(type(d) is int for d in (*shape, begin, end))
             ok = (
-                size is not None
+                ints
+                and size is not None
                 and type(want) is int
                 and want == end - begin
                 and 0 <= begin
@@ -141,11 +158,18 @@ def parse_header(
     return entries, metadata
 
 
-def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorEntry], dict[str, str]]:
-    """Read and validate the header of a local safetensors file."""
+MAX_NESTING = 64  # a header is a flat object of small objects; deeper JSON is not a header
+
+
+def read_raw_header(path: str | os.PathLike) -> tuple[bytes, int]:
+    """The header's JSON bytes (after the 8-byte length) and the file's size, checked to fit."""
     path = Path(path)
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise SafetensorsError(f"{path}: is {kind}, not a safetensors file")
+        size = st.st_size
         with open(path, "rb") as fh:
             head = fh.read(8)
             if len(head) < 8:
@@ -156,7 +180,27 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorEntry], dict[s
             raw = fh.read(n)
     except FileNotFoundError:
         raise SafetensorsError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise SafetensorsError(f"{path}: is a directory, not a safetensors file") from None
+    return raw, size
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    """Read and validate the header of a local safetensors file."""
+    raw, size = read_raw_header(path)
     return parse_header(raw, str(path), size)
+
+
+def pread_into(fd: int, offset: int, out: np.ndarray, what: str) -> None:
+    """Fill ``out`` (C-contiguous) with the file's bytes at ``offset``: plain reads, no mapping, so
+    the bytes count once in the process (a memory map of a 2 GB tensor counts 2 GB towards RSS)."""
+    view = memoryview(out).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise SafetensorsError(f"{what}: file ends {len(view) - done} bytes early (truncated?)")
+        done += n
 
 
 def read_tensor(entry: TensorEntry) -> np.ndarray:

@@ -20,8 +20,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .errors import K3LabError
-from .manifest import merge
+from k3lab.errors import K3LabError
+from k3lab.formats.manifest import merge
 
 KERNEL_START_ERRORS = (
     "Kernel died before replying",
@@ -76,8 +76,11 @@ def dask_map(
     scheduler: str | None = None,
     workers: int = 2,
     desc: str = "shards",
+    quiet: bool = False,
 ) -> list[Any]:
-    """fn(*args) for each args on Dask: a LocalCluster of ``workers`` processes, or ``scheduler``."""
+    """fn(*args) for each args on Dask: a LocalCluster of ``workers`` processes, or ``scheduler``.
+    A call that raised k3lab's own error (bad input) is returned as that exception, so one bad
+    shard does not hide the others' results; anything else is raised."""
     from dask.distributed import Client, LocalCluster, as_completed
 
     calls = list(calls)
@@ -92,9 +95,12 @@ def dask_map(
     try:
         futures = [client.submit(fn, *args, pure=False) for args in calls]
         results = []
-        with tqdm(total=len(futures), desc=desc, unit="shard") as bar:
+        with tqdm(total=len(futures), desc=desc, unit="shard", disable=True if quiet else None) as bar:
             for fut in as_completed(futures):
-                results.append(fut.result())
+                try:
+                    results.append(fut.result())
+                except K3LabError as e:
+                    results.append(e)
                 bar.update(1)
         return results
     finally:

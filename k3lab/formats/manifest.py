@@ -33,15 +33,21 @@ def record_path(out_dir: str | Path, number: int) -> Path:
     return Path(out_dir) / RECORDS_DIR / f"{number:05d}.json"
 
 
-def atomic_write_json(path: Path, data: Any) -> None:
+def atomic_write_json(path: Path, data: Any, indent: int | None = 1) -> None:
+    """Write JSON to ``path.partial``, fsync, rename: ``path`` is old or new, never half; a failure
+    (a full disk) removes the partial file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=1, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # concurrent writers never share one
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=indent, sort_keys=True)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_record(out_dir: str | Path, record: dict[str, Any]) -> Path:
@@ -79,19 +85,36 @@ def is_complete(out_dir: str | Path, number: int, filename: str, plan_digest: st
         return False
 
 
-def merge(out_dir: str | Path) -> Path:
-    """Rebuild OUT/MANIFEST.json from the per-file records."""
-    out_dir = Path(out_dir)
-    records = []
+def _records(out_dir: Path) -> list[tuple[tuple[str, int], Path]]:
+    """The per-file records in ``.k3lab/`` (not the plan), as (sort key, path): one parsed at a time."""
+    found = []
     for p in sorted((out_dir / RECORDS_DIR).glob("*.json")):
         try:
             r = json.loads(p.read_text(encoding="utf-8"))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
             continue
-        if r.get("format") == FORMAT:
-            records.append(r)
-    records.sort(key=lambda r: (r.get("kind", "text"), r["number"]))
-    manifest = {"format": FORMAT, "files": records}
+        if isinstance(r, dict) and r.get("format") == FORMAT and isinstance(r.get("number"), int):
+            found.append(((str(r.get("kind", "text")), r["number"]), p))
+    return sorted(found)
+
+
+def merge(out_dir: str | Path) -> Path:
+    """Rebuild OUT/MANIFEST.json from the per-file records, streaming (at real scale the records
+    add up to tens of MB: memory stays at one record)."""
+    out_dir = Path(out_dir)
     path = out_dir / MANIFEST_NAME
-    atomic_write_json(path, manifest)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write('{\n "files": [')
+            for i, (_, p) in enumerate(_records(out_dir)):
+                record = json.loads(p.read_text(encoding="utf-8"))
+                fh.write(("," if i else "") + "\n" + json.dumps(record, indent=1, sort_keys=True))
+            fh.write(f'\n ],\n "format": {json.dumps(FORMAT)}\n}}\n')
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path

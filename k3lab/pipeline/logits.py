@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import K3Config
-from .errors import K3LabError
-from .reference import Reference
-from .source import LocalSource
+from k3lab.errors import K3LabError
+from k3lab.kimi_k3.config import K3Config
+from k3lab.kimi_k3.reference import Reference
+from k3lab.pipeline.sources import LocalSource
 
 DEFAULT_PROMPT = (
     "The quick brown fox converts every shard of the model. 人工智能正在改变世界。 "
@@ -143,7 +143,7 @@ def check_blocks(
     threshold: float = BLOCK_THRESHOLD,
 ) -> BlockReport:
     """Each attention and FFN block of the reference, fed llama.cpp's own input, against its output."""
-    from .llama_trace import trace
+    from k3lab.pipeline.llama_trace import trace
 
     cfg = K3Config.load(meta_dir)
     ref = Reference(cfg, LocalSource(src_dir, meta_dir), mode)

@@ -13,11 +13,21 @@ Type policies, as upstream llama.cpp's converter writes them:
 
 from __future__ import annotations
 
+import hashlib
+import re
 from dataclasses import dataclass
 
-from .config import K3Config
+from k3lab.kimi_k3.config import K3Config
 
 TEXT_PREFIX = "language_model."
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_of(name: str) -> int | None:
+    """The layer a checkpoint tensor name belongs to (``...layers.N....``), or None."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
+
 
 # which layers a rule applies to
 ALL, KDA, MLA, DENSE, MOE, LATENT, OUTPUT = "all", "kda", "mla", "dense", "moe", "latent", "output"
@@ -213,6 +223,10 @@ RULES: tuple[Rule, ...] = (
         "blk.{bid}.ffn_up_exps.weight", (M + "experts.{e}.w3.weight",), "stack", "keep", MOE, FLOAT, "w3 = up"
     ),
 )
+
+
+# a saved plan names rules by position: it is only reused by the same table
+RULES_DIGEST = hashlib.sha256(repr(RULES).encode()).hexdigest()[:16]
 
 
 # MoonViT tower + patchmergerv2 projector -> one mmproj GGUF, as llama.cpp's Kimi-K2.5 converter

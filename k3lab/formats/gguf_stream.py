@@ -19,10 +19,19 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 
-from . import hashing
-from .arch import KV
+from k3lab.formats import hashing
 
 ALIGNMENT = 32  # GGUF default
+
+
+@dataclass(frozen=True)
+class KV:
+    """One metadata key as plain data: full key, value, GGUF value type (and element type of an array)."""
+
+    key: str
+    value: Any
+    type: GGUFValueType
+    sub_type: GGUFValueType | None = None
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,15 @@ class TensorInfo:
                 f"block of {block}"
             )
         return n // block * type_size
+
+
+def kvs_to_json(kvs: Sequence[KV]) -> list[list[Any]]:
+    """KVs as JSON-able rows [key, type, value, element type] (Python floats keep F32 values exactly)."""
+    return [[kv.key, kv.type.name, kv.value, kv.sub_type.name if kv.sub_type else None] for kv in kvs]
+
+
+def kvs_from_json(rows: Sequence[Sequence[Any]]) -> list[KV]:
+    return [KV(k, v, GGUFValueType[t], GGUFValueType[st] if st else None) for k, t, v, st in rows]
 
 
 def split_kvs(split_no: int, split_count: int, tensors_total: int) -> list[KV]:
@@ -76,9 +94,9 @@ class GGUFStream:
         self.hashes: dict[str, str] = {}
         self._writer = GGUFWriter(self.partial, arch)
         for kv in kvs:
-            if kv.full_key == "general.architecture":
+            if kv.key == "general.architecture":
                 continue  # GGUFWriter adds it
-            self._writer.add_key_value(kv.full_key, kv.value, kv.type, sub_type=kv.sub_type)
+            self._writer.add_key_value(kv.key, kv.value, kv.type, sub_type=kv.sub_type)
         for ti in self.infos:
             # the placeholder dtype only tells GGUFWriter "not raw bytes": shape is taken as given
             self._writer.add_tensor_info(

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 from tqdm import tqdm
 
-from .errors import K3LabError
-from .manifest import MANIFEST_NAME, RECORDS_DIR
+from k3lab.errors import K3LabError
+from k3lab.formats.manifest import MANIFEST_NAME, RECORDS_DIR
 
 READ = 16 * 1024 * 1024
 
@@ -165,28 +166,51 @@ def verify(
 def _rederive(
     out_dir: Path, records: list[dict[str, Any]], src: Path, meta: Path, report: Report, quiet: bool
 ) -> None:
-    """Stream every planned tensor from the source again and compare hashes."""
-    from .convert import SourceHashes, tensor_pieces
-    from .runner import load_plan
+    """Plan the source again and stream every planned tensor from it; compare hashes. A file whose
+    record was made from other inputs (another config, tokenizer or template) is reported stale."""
+    from k3lab.kimi_k3.config import K3Config
+    from k3lab.pipeline.convert import Reader, tensor_pieces
+    from k3lab.pipeline.plan import PlanError, build_plan, load_plan
+    from k3lab.pipeline.sources import LocalSource
 
     if not records:
         return
-    plan, source = load_plan(str(meta), str(src), records[0]["outtype"], records[0]["basename"])
+    try:
+        options = load_plan(out_dir).inputs.get("options", {})
+    except PlanError:
+        options = {}
+    source = LocalSource(src, meta)
+    plan = build_plan(
+        K3Config.load(meta),
+        source,
+        records[0]["outtype"],
+        records[0]["basename"],
+        options.get("chat_template"),
+    )
     bar = tqdm(
-        total=sum(plan.source_files.values()),
+        total=sum(plan.file(r["number"]).source_bytes for r in records if r["number"] <= len(plan.files)),
         unit="B",
         unit_scale=True,
         desc="re-derive",
         disable=True if quiet else None,
     )
     for rec in records:
+        if rec["number"] > len(plan.files):
+            report.problems.append(f"{rec['file']}: the source plans only {len(plan.files)} files")
+            continue
         pf = plan.file(rec["number"])
+        if rec.get("plan_digest") != pf.digest:
+            what = "metadata, tensors or source shard" if pf.number == 1 else "tensors or source shard"
+            report.problems.append(
+                f"{rec['file']}: stale: made from other inputs than {src} ({what} differ); convert again"
+            )
         want = {t["name"]: t for t in rec["tensors"]}
-        hashes = SourceHashes()
+        entries = source.header(pf.source_file)
+        reader = Reader(source, entries, bar.update)
         for pt in pf.tensors:
             h = hashlib.sha256()
-            for piece in tensor_pieces(pt, source, plan.cfg, hashes, bar.update):
-                h.update(memoryview(piece).cast("B") if not hasattr(piece, "tobytes") else piece.tobytes())
+            for piece in tensor_pieces(pt, reader):
+                h.update(memoryview(np.ascontiguousarray(piece)).cast("B"))
             t = want.get(pt.name)
             if t is None:
                 report.problems.append(
@@ -198,8 +222,10 @@ def _rederive(
                     f"{rec['file']}: tensor {pt.name}: re-derived from the source, SHA-256 differs"
                 )
             for s in t["sources"]:
-                if hashes.hexdigest(s["name"]) != s["sha256"]:
+                if reader.source_sha256(s["name"]) != s["sha256"]:
                     report.problems.append(
                         f"{s['file']}: tensor {s['name']}: source SHA-256 differs from the manifest"
                     )
+        source.release(pf.source_file)
+        source.release_header(pf.source_file)
     bar.close()

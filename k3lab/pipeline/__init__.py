@@ -1,0 +1,1 @@
+"""The generic pipeline: plan -> read (sources) -> transform -> write -> record, its runner, verify and batch."""

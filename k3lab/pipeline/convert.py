@@ -1,0 +1,187 @@
+"""Convert one output file: the unit of work every runner (one process, ``--jobs``, Dask) executes.
+
+For output file k of a plan: acquire its source shard, check the shard's header is the one the
+plan was made from, write the GGUF header and tensor infos, then for each planned tensor let its
+transform's stream read the source in bounded pieces (``Reader``: plain reads into a ring of
+buffers, hashed as they pass) and stream the output bytes to ``NAME.partial``, hashing them as
+they go; fsync, rename, record the hashes (``formats.manifest``), release the shard. Memory is
+bounded by what the streams hold at once, which the plan forecasts per file.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from k3lab.formats import hashing
+from k3lab.formats.gguf_stream import KV, GGUFStream, split_kvs
+from k3lab.formats.manifest import FORMAT, header_sha256, is_complete, write_record
+from k3lab.formats.safetensors import NUMPY_DTYPE, TensorEntry
+from k3lab.kimi_k3.keys import ARCH
+from k3lab.kimi_k3.transforms import READ_RING
+from k3lab.pipeline.plan import Plan, PlanError, PlannedTensor, load_kvs
+from k3lab.pipeline.sources import Source
+
+Progress = Callable[[int], None]
+
+
+class Reader:
+    """Source tensors by name, read in bounded pieces into a ring of buffers. Each piece's bytes are
+    fed to that tensor's SHA-256 (on the hashing lane) and reported to ``progress``; a buffer is
+    reused only once the hashing of its last piece is done."""
+
+    def __init__(self, source: Source, entries: dict[str, TensorEntry], progress: Progress | None = None):
+        self.source, self.entries, self.progress = source, entries, progress
+        self._ring: list[np.ndarray | None] = [None] * READ_RING
+        self._marks = [0] * READ_RING
+        self._turn = 0
+        self._hashes: dict[str, Any] = {}
+
+    def __call__(
+        self, name: str, row_start: int = 0, row_stop: int | None = None, own: bool = False
+    ) -> np.ndarray:
+        e = self.entries[name]
+        rows = e.shape[0] if e.shape else 1
+        stop = rows if row_stop is None else row_stop
+        row_bytes = e.nbytes // rows if rows else 0
+        n = (stop - row_start) * row_bytes
+        if own:
+            buf = np.empty(n, dtype=np.uint8)
+        else:
+            k = self._turn % READ_RING
+            self._turn += 1
+            hashing.wait(upto=self._marks[k])
+            ring = self._ring[k]
+            if ring is None or ring.size < n:
+                ring = self._ring[k] = np.empty(n, dtype=np.uint8)
+            buf = ring[:n]
+        self.source.read_into(e, row_start * row_bytes, buf)
+        hashing.update(self._hashes.setdefault(name, hashing.sha256()), buf, hashing.SOURCE)
+        if not own:
+            self._marks[k] = hashing.mark()
+        if self.progress:
+            self.progress(n)
+        shape = (stop - row_start, *e.shape[1:]) if e.shape else ()
+        return buf.view(NUMPY_DTYPE[e.dtype]).reshape(shape)
+
+    def source_sha256(self, name: str) -> str:
+        hashing.wait()
+        return self._hashes.setdefault(name, hashing.sha256()).hexdigest()
+
+
+def tensor_pieces(pt: PlannedTensor, reader: Reader) -> Iterator[np.ndarray]:
+    """The output bytes of one planned tensor, in the bounded pieces its transform's stream makes."""
+    return pt.job([reader.entries[n] for n in pt.sources], reader).pieces()
+
+
+def write_tensors(
+    path: Path,
+    arch: str,
+    kvs: list[KV],
+    tensors: list[PlannedTensor],
+    reader: Reader,
+    source_files: dict[str, str],
+) -> tuple[list[dict[str, Any]], int]:
+    """Stream planned tensors into one GGUF file; returns their manifest entries and the data start.
+    ``source_files`` names the file each source tensor came from (for the record)."""
+    records = []
+    with GGUFStream(path, arch, kvs, [t.info for t in tensors]) as g:
+        for pt in tensors:
+            offset = g.data_offset_next()
+            sha = g.write(pt.name, tensor_pieces(pt, reader))
+            records.append(
+                {
+                    "name": pt.name,
+                    "type": pt.info.type.name,
+                    "ne": list(pt.info.ne),
+                    "nbytes": pt.nbytes,
+                    "offset": offset,
+                    "sha256": sha,
+                    "transform": pt.transform,
+                    "sources": [
+                        {"name": n, "file": source_files[n], "sha256": reader.source_sha256(n)}
+                        for n in pt.sources
+                    ],
+                }
+            )
+    return records, g.data_start
+
+
+@dataclass
+class FileResult:
+    number: int
+    filename: str
+    skipped: bool
+    seconds: float
+    nbytes: int
+
+
+def file_kvs(plan: Plan, number: int, out_dir: str | Path) -> list[KV]:
+    """Split keys in every file; the first also carries the planned metadata and the tokenizer."""
+    kvs = split_kvs(number - 1, len(plan.files), plan.n_tensors)
+    return load_kvs(out_dir, plan) + kvs if number == 1 else kvs
+
+
+def shard_entries(plan: Plan, number: int, source: Source) -> dict[str, TensorEntry]:
+    """The acquired shard's header, which must be the one the plan was made from."""
+    pf = plan.file(number)
+    entries, sha = source.shard_header(pf.source_file)
+    if sha != pf.shard["header_sha256"]:
+        raise PlanError(
+            f"{source.where(pf.source_file)}: header differs from the one the plan was made from "
+            "(the source changed since planning: run the command again to re-plan)"
+        )
+    return entries
+
+
+def convert_file(
+    plan: Plan,
+    number: int,
+    source: Source,
+    out_dir: str | Path,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> FileResult:
+    """Write output file ``number`` (1-based) unless a complete, matching one is already there."""
+    out_dir = Path(out_dir)
+    pf = plan.file(number)
+    t0 = time.perf_counter()
+    if not force and is_complete(out_dir, number, pf.filename, pf.digest):
+        if progress:
+            progress(pf.source_bytes)
+        return FileResult(number, pf.filename, True, 0.0, pf.nbytes)
+    kvs = file_kvs(plan, number, out_dir)
+    source.acquire(pf.source_file)
+    try:
+        entries = shard_entries(plan, number, source)
+        reader = Reader(source, entries, progress)
+        path = out_dir / pf.filename
+        records, data_start = write_tensors(
+            path, ARCH, kvs, pf.tensors, reader, dict.fromkeys(entries, pf.source_file)
+        )
+    finally:
+        source.release(pf.source_file)
+    write_record(
+        out_dir,
+        {
+            "format": FORMAT,
+            "kind": "text",
+            "file": pf.filename,
+            "number": number,
+            "basename": plan.basename,
+            "outtype": plan.outtype,
+            "split_count": len(plan.files),
+            "split_tensors": plan.n_tensors,
+            "size": path.stat().st_size,
+            "plan_digest": pf.digest,
+            "data_start": data_start,
+            "header_sha256": header_sha256(path, data_start),
+            "tensors": records,
+        },
+    )
+    return FileResult(number, pf.filename, False, time.perf_counter() - t0, pf.nbytes)

@@ -1,0 +1,234 @@
+"""Run a conversion: the one loop. Plan once (or load the saved plan), then convert the chosen
+output files in this process, in ``jobs`` worker processes, or as one Dask task each on the cluster
+at ``scheduler``; merge the manifest.
+
+A task is ``run_task(task, number)``: plain values in (the output folder, where the plan is, and a
+``SourceSpec``), so the same task runs unchanged in this process, a local worker process or a Dask
+worker on another machine. It loads the saved plan and opens its own source: a local folder, or the
+Hub, whence it downloads its shard into scratch, converts it and deletes it.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from k3lab.errors import K3LabError
+from k3lab.formats.manifest import is_complete, merge
+from k3lab.pipeline.convert import FileResult, convert_file
+from k3lab.pipeline.plan import Plan, PlanError, ensure_plan, load_plan
+from k3lab.pipeline.sources import SourceSpec
+
+
+class ShardSpecError(K3LabError):
+    """A --shards value that is not N, A-B or a comma mix of them within the set."""
+
+
+def parse_shards(spec: str | None, n: int) -> list[int]:
+    """``N``, ``A-B`` or a comma mix (1-based, inclusive); None or 'all' means every shard."""
+    if spec is None or spec.strip().lower() == "all":
+        return list(range(1, n + 1))
+    out: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                a, b = (int(x) for x in part.split("-", 1))
+                if a > b:
+                    raise ValueError
+                out.update(range(a, b + 1))
+            else:
+                out.add(int(part))
+        except ValueError:
+            raise ShardSpecError(f"--shards {spec!r}: {part!r} is not N or A-B") from None
+    bad = sorted(k for k in out if not 1 <= k <= n)
+    if bad:
+        raise ShardSpecError(f"--shards {spec!r}: shard {bad[0]} is outside 1..{n}")
+    return sorted(out)
+
+
+@dataclass(frozen=True)
+class Task:
+    """Everything a worker needs to convert output files of one run, as plain values."""
+
+    out_dir: str
+    source: SourceSpec
+    plan_digest: str  # the worker checks it loaded the plan this run made
+    force: bool = False
+
+
+@functools.lru_cache(maxsize=2)
+def _task_plan(out_dir: str, plan_digest: str) -> Plan:
+    plan = load_plan(out_dir)
+    if plan.inputs_digest != plan_digest:
+        raise PlanError(f"{out_dir}: the saved plan changed under this run (another run re-planned?)")
+    return plan
+
+
+_progress_queue: Any = None  # set in worker processes by _init_worker
+
+
+def run_task(task: Task, number: int, next_number: int | None = None) -> FileResult:
+    """Convert output file ``number``: the task every runner runs."""
+    plan = _task_plan(task.out_dir, task.plan_digest)
+    source = task.source.open()
+    if next_number is not None:
+        source.prefetch(plan.file(next_number).source_file)
+    q = _progress_queue
+
+    def progress(n: int) -> None:
+        if q is not None:
+            q.put((number, n))
+
+    return convert_file(plan, number, source, task.out_dir, task.force, progress if q is not None else None)
+
+
+def _init_worker(progress_queue: Any, parent: int) -> None:
+    """In each local worker process: report progress to the parent, and die with it."""
+    global _progress_queue
+    _progress_queue = progress_queue
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="k3lab-parent-watch").start()
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.2)
+    os._exit(70)  # the run that started this worker is gone: stop, whatever this worker was doing
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    outtype: str = "auto"
+    basename: str = "Kimi-K3"
+    chat_template: str | None = None
+    force: bool = False
+
+
+def prepare(spec: SourceSpec, out_dir: str | Path, options: RunOptions = RunOptions()) -> Plan:
+    """The plan for this output folder: loaded when its inputs are unchanged, else made and saved."""
+    source = spec.open()
+    if spec.is_hub:
+        source.fetch_meta()  # type: ignore[attr-defined]
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    plan, _ = ensure_plan(out_dir, source, options.outtype, options.basename, options.chat_template)
+    return plan
+
+
+def convert_shards(
+    spec: SourceSpec,
+    out_dir: str | Path,
+    numbers: list[int] | None = None,
+    jobs: int = 1,
+    quiet: bool = False,
+    scheduler: str | None = None,
+    options: RunOptions = RunOptions(),
+    plan: Plan | None = None,
+) -> list[FileResult]:
+    """Convert the given output files (default: all), in this process, ``jobs`` at a time, or one
+    Dask task each on the cluster at ``scheduler``; merge the manifest."""
+    out_dir = str(out_dir)
+    plan = plan or prepare(spec, out_dir, options)
+    numbers = numbers or list(range(1, len(plan.files) + 1))
+    task = Task(out_dir, spec, plan.inputs_digest, options.force)
+    results: list[FileResult] = []
+    todo = []
+    for k in numbers:  # complete files are found here, not sent anywhere
+        pf = plan.file(k)
+        if not options.force and is_complete(out_dir, k, pf.filename, pf.digest):
+            results.append(FileResult(k, pf.filename, True, 0.0, pf.nbytes))
+        else:
+            todo.append(k)
+    errors: list[BaseException] = []
+    disable = True if quiet else None  # None: tqdm shows bars only on a terminal
+    overall = tqdm(
+        total=sum(plan.file(k).source_bytes for k in todo),
+        unit="B",
+        unit_scale=True,
+        desc=f"{len(todo)} shards",
+        disable=disable if todo else True,
+    )
+    try:
+        if not todo:
+            pass
+        elif scheduler:
+            from k3lab.pipeline.batch import dask_map
+
+            for r in dask_map(run_task, [(task, k) for k in todo], scheduler, quiet=quiet):
+                if isinstance(r, BaseException):
+                    errors.append(r)
+                else:
+                    results.append(r)
+                    overall.update(plan.file(r.number).source_bytes)
+        elif jobs <= 1:
+            _run_here(task, todo, plan, overall, results, errors)
+        else:
+            _run_pool(task, todo, jobs, overall, results, errors)
+    finally:
+        overall.close()
+        if spec.is_hub:
+            spec.open().close()  # type: ignore[attr-defined]
+        merge(out_dir)
+    if errors:
+        raise errors[0]
+    return sorted(results, key=lambda r: r.number)
+
+
+def _run_here(
+    task: Task, todo: list[int], plan: Plan, overall: Any, results: list[FileResult], errors: list
+) -> None:
+    global _progress_queue
+    q: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+    _progress_queue = q
+    try:
+        for i, k in enumerate(todo):
+            try:
+                results.append(run_task(task, k, todo[i + 1] if i + 1 < len(todo) else None))
+            except K3LabError as e:  # a bad shard does not stop the others
+                errors.append(e)
+            _drain(q, overall)
+    finally:
+        _progress_queue = None
+        _drain(q, overall)
+
+
+def _run_pool(task: Task, todo: list[int], jobs: int, overall: Any, results: list, errors: list) -> None:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    pool = ProcessPoolExecutor(
+        max_workers=min(jobs, len(todo)), mp_context=ctx, initializer=_init_worker, initargs=(q, os.getpid())
+    )
+    try:
+        pending = {pool.submit(run_task, task, k) for k in todo}
+        while pending:
+            _drain(q, overall)
+            for f in [f for f in pending if f.done()]:
+                pending.discard(f)
+                try:
+                    results.append(f.result())
+                except K3LabError as e:
+                    errors.append(e)
+            time.sleep(0.05)
+        _drain(q, overall)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        q.close()
+        q.join_thread()
+
+
+def _drain(q: Any, overall: Any) -> None:
+    while True:
+        try:
+            _, n = q.get_nowait()
+        except queue_mod.Empty:
+            return
+        overall.update(n)

@@ -1,0 +1,283 @@
+"""Sources: the checkpoint's files behind one interface, in a local folder or on the Hub.
+
+The planner asks a source for the index and every shard's header; a conversion task asks it for
+one shard: ``acquire(file)`` (local: nothing; Hub: download into scratch, resuming), bounded
+``read_into`` calls for that shard's bytes, then ``release(file)`` (Hub: delete it). ``prefetch``
+hints the next file (Hub: its download starts while this one converts; at most one ahead).
+
+A ``SourceSpec`` is the picklable recipe for a source: every worker (a ``--jobs`` process, a Dask
+worker on another machine) opens its own from it, so the same task runs anywhere.
+
+Local validation: the index must agree with the files (every file it names exists, every tensor
+it names is in that file's header and every tensor in a header is in the index); headers are
+validated by ``formats.safetensors`` (offsets inside the file, dtype x shape = byte length).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from k3lab.errors import K3LabError
+from k3lab.formats.safetensors import (
+    TensorEntry,
+    parse_header,
+    pread_into,
+    read_raw_header,
+    read_tensor,
+)
+
+INDEX_NAME = "model.safetensors.index.json"
+# the metadata files a text conversion is planned from (their bytes are part of the plan's digest)
+META_FILES = ("config.json", INDEX_NAME, "tiktoken.model", "tokenizer_config.json")
+OPTIONAL_META = ("chat_template.jinja", "preprocessor_config.json")
+
+
+class SourceError(K3LabError):
+    """The index and the files disagree, or a file is missing."""
+
+
+def read_index(*dirs: str | Path) -> tuple[Path, dict[str, str]]:
+    """The first ``model.safetensors.index.json`` found in ``dirs``: (its path, weight_map)."""
+    for d in dirs:
+        path = Path(d) / INDEX_NAME
+        if path.exists():
+            try:
+                index = json.loads(path.read_text(encoding="utf-8"))
+                weight_map = index["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError("weight_map is not an object")
+                if not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                    raise TypeError("weight_map maps tensor names to file names (strings)")
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
+                raise SourceError(f"{path}: not a safetensors index ({type(e).__name__}: {e})") from None
+            files: dict[str, str] = {}  # one string object per file name: 500k entries share 96
+            return path, {k: files.setdefault(v, v) for k, v in weight_map.items()}
+    raise SourceError(f"{INDEX_NAME} not found in {', '.join(str(d) for d in dirs)}")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def meta_fingerprint(meta_dir: str | Path) -> dict[str, str | None]:
+    """SHA-256 of each metadata file the plan reads (None where an optional one is absent)."""
+    out: dict[str, str | None] = {}
+    for name in META_FILES + OPTIONAL_META:
+        path = Path(meta_dir) / name
+        out[name] = sha256_file(path) if path.is_file() else None
+    return out
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """How to open a source: a local folder (``src_dir``) or a Hub repo (``repo``). Plain values only,
+    so that it can be sent to a worker process or a Dask worker."""
+
+    meta_dir: str
+    src_dir: str | None = None
+    repo: str | None = None
+    revision: str | None = None
+    scratch: str | None = None
+    endpoint: str | None = None
+    token: str | None = field(default=None, repr=False)
+    keep_source: bool = False  # the Hub: leave downloaded shards in scratch
+
+    @property
+    def is_hub(self) -> bool:
+        return self.repo is not None
+
+    def open(self) -> Source:
+        return _open_source(self)
+
+    def describe(self) -> str:
+        return f"{self.repo}@{self.revision or 'main'}" if self.is_hub else str(self.src_dir)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_source(spec: SourceSpec) -> Source:
+    """One source per spec and process (a worker converting several shards opens it once)."""
+    if spec.is_hub:
+        from k3lab.pipeline.hub import HubSource
+
+        return HubSource(spec)
+    return LocalSource(spec.src_dir or spec.meta_dir, spec.meta_dir)
+
+
+class Source:
+    """What the planner and the converter use. Subclasses say where a shard's bytes are
+    (``local_path``), how its header is read before it is acquired (``_fetch_raw_header``), and how the
+    inputs are fingerprinted."""
+
+    meta_dir: Path
+
+    def __init__(self) -> None:
+        self._index: tuple[Path, dict[str, str]] | None = None
+        self._by_file: dict[str, set[str]] | None = None
+        self._headers: dict[str, dict[str, TensorEntry]] = {}
+        self._header_sha: dict[str, str] = {}
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    # --- the index (parsed only by the planner: a task never needs it) ---
+    @property
+    def index_path(self) -> Path:
+        return self._load_index()[0]
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        return self._load_index()[1]
+
+    def _load_index(self) -> tuple[Path, dict[str, str]]:
+        if self._index is None:
+            self._index = read_index(*self._index_dirs())
+        return self._index
+
+    def _index_dirs(self) -> list[Path]:
+        return [self.meta_dir]
+
+    def files(self) -> list[str]:
+        return sorted(self._listed())
+
+    def _listed(self) -> dict[str, set[str]]:
+        """Tensor names by file, as the index lists them."""
+        if self._by_file is None:
+            self._by_file = {}
+            for name, file in self.weight_map.items():
+                self._by_file.setdefault(file, set()).add(name)
+        return self._by_file
+
+    def entry(self, name: str) -> TensorEntry:
+        if name not in self.weight_map:
+            raise SourceError(f"{self.index_path}: no tensor {name}")
+        return self.header(self.weight_map[name])[name]
+
+    # --- headers ---
+    def header(self, file: str) -> dict[str, TensorEntry]:
+        """A shard's validated header, checked against the index."""
+        entries = self._headers.get(file)  # one lookup: another thread may release it meanwhile
+        if entries is None:
+            entries = self._parse(file)
+            listed = self._listed().get(file, set())
+            missing = sorted(listed - entries.keys())
+            where = self.where(file)
+            if missing:
+                raise SourceError(f"{where}: tensor {missing[0]} is in the index but not in this file")
+            extra = sorted(entries.keys() - listed)
+            if extra:
+                raise SourceError(
+                    f"{where}: tensor {extra[0]} is in this file but the index does not list it here"
+                )
+            self._headers[file] = entries
+        return entries
+
+    def shard_header(self, file: str) -> tuple[dict[str, TensorEntry], str]:
+        """A shard's header as a conversion task reads it (no index needed): entries and header SHA-256."""
+        entries = self._parse(file)
+        return entries, self._header_sha[file]
+
+    def _parse(self, file: str) -> dict[str, TensorEntry]:
+        path = self.local_path(file)
+        local = path.exists()
+        raw, size = read_raw_header(path) if local else self._fetch_raw_header(file)
+        self._header_sha[file] = hashlib.sha256(raw).hexdigest()
+        entries, _ = parse_header(raw, str(path) if local else self.where(file), size)
+        return entries
+
+    def header_sha256(self, file: str) -> str:
+        if file not in self._header_sha:
+            self._parse(file)
+        return self._header_sha[file]
+
+    def release_header(self, file: str) -> None:
+        """Forget a parsed header (read again when needed): bounded memory while planning."""
+        self._headers.pop(file, None)
+
+    # --- one shard's bytes ---
+    def acquire(self, file: str) -> None:
+        """Make ``file``'s bytes readable (local: they are)."""
+
+    def prefetch(self, file: str) -> None:
+        """A hint: ``file`` is acquired next (local: nothing to do)."""
+
+    def release(self, file: str) -> None:
+        """Done with ``file``: close it (the Hub source also deletes it)."""
+        with self._lock:
+            fd = self._fds.pop(file, None)
+        if fd is not None:
+            os.close(fd)
+
+    def read_into(self, entry: TensorEntry, offset: int, out: np.ndarray) -> None:
+        """``out.nbytes`` bytes of a tensor from byte ``offset`` of its data, into ``out``."""
+        if offset + out.nbytes > entry.nbytes:
+            raise SourceError(f"{entry.file}: tensor {entry.name}: read past its {entry.nbytes} bytes")
+        with self._lock:
+            fd = self._fds.get(entry.file)
+            if fd is None:
+                try:
+                    fd = os.open(entry.file, os.O_RDONLY)
+                except FileNotFoundError:
+                    raise SourceError(f"{entry.file}: not found (was it acquired?)") from None
+                self._fds[entry.file] = fd
+        pread_into(fd, entry.start + offset, out, f"{entry.file}: tensor {entry.name}")
+
+    def array(self, name: str) -> np.ndarray:
+        """A whole tensor as a read-only memory map (the reference and the notebooks; never the converter)."""
+        return read_tensor(self.entry(name))
+
+    # --- for subclasses ---
+    def local_path(self, file: str) -> Path:
+        """Where the shard's bytes are (or will be, once acquired)."""
+        raise NotImplementedError  # pragma: no cover - an interface method
+
+    def _fetch_raw_header(self, file: str) -> tuple[bytes, int]:
+        raise SourceError(f"{self.where(file)}: not found")
+
+    def where(self, file: str) -> str:
+        return str(self.local_path(file))
+
+    def shard_fingerprint(self, files: list[str]) -> dict[str, dict[str, Any]]:
+        """What identifies each shard's contents, cheaply (local: size and header SHA-256)."""
+        out = {}
+        for f in files:
+            path = self.local_path(f)
+            if not path.exists():
+                raise SourceError(f"{self.index_path}: names {f}, which is not in {path.parent}")
+            raw, size = read_raw_header(path)
+            out[f] = {"size": size, "header_sha256": hashlib.sha256(raw).hexdigest()}
+        return out
+
+    def planned_shard(self, file: str) -> dict[str, Any]:
+        """What the plan records of a shard it was made from."""
+        size = sum(e.nbytes for e in self.header(file).values())
+        return {"data_bytes": size, **self.shard_fingerprint([file])[file]}
+
+
+class LocalSource(Source):
+    """A checkpoint in a local folder (the index and metadata may live in a separate ``meta`` folder)."""
+
+    def __init__(self, src_dir: str | Path, meta_dir: str | Path | None = None):
+        super().__init__()
+        self.src_dir = Path(src_dir)
+        self.meta_dir = Path(meta_dir or src_dir)
+
+    def _index_dirs(self) -> list[Path]:
+        return [self.meta_dir, self.src_dir]
+
+    def local_path(self, file: str) -> Path:
+        return self.src_dir / file
+
+    def _fetch_raw_header(self, file: str) -> tuple[bytes, int]:
+        raise SourceError(f"{self.index_path}: names {file}, which is not in {self.src_dir}")
