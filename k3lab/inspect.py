@@ -21,10 +21,33 @@ from k3lab.formats.numerics import bf16_bits_to_f32
 from k3lab.kimi_k3.config import K3Config
 from k3lab.kimi_k3.tokenizer import build_vocabulary, read_tiktoken
 from k3lab.pipeline.plan import Plan, build_plan
-from k3lab.pipeline.sources import LocalSource
+from k3lab.pipeline.sources import LocalSource, SourceSpec
 from k3lab.pipeline.vision import plan_vision
 
 OUTLIER_LOW, OUTLIER_HIGH = 0, 250  # E8M0 bytes worth a look: an all-zero block, or ~2**123
+
+
+def open_conversion(meta: str | Path, src: str | Path, out_dir: str | Path) -> tuple[Plan, LocalSource]:
+    """The saved plan of converting ``src`` into ``out_dir`` (made and saved now when missing or
+    stale, as ``k3lab convert`` would) and the source it reads."""
+    from k3lab.pipeline.runner import prepare
+
+    spec = SourceSpec(str(meta), src_dir=str(src))
+    return prepare(spec, out_dir), spec.open()  # type: ignore[return-value]
+
+
+def convert(
+    meta: str | Path,
+    src: str | Path,
+    out_dir: str | Path,
+    shards: list[int] | None = None,
+    force: bool = False,
+) -> list[Any]:
+    """Convert output files ``shards`` (default: all) exactly as ``k3lab convert`` does."""
+    from k3lab.pipeline.runner import RunOptions, convert_shards
+
+    spec = SourceSpec(str(meta), src_dir=str(src))
+    return convert_shards(spec, out_dir, shards, quiet=True, options=RunOptions(force=force))
 
 
 def open_checkpoint(src: str | Path, meta: str | Path | None = None) -> tuple[K3Config, LocalSource]:

@@ -8,7 +8,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from .mxfp4 import E2M1_VALUES
+from k3lab.formats.mxfp4 import E2M1_VALUES
 
 
 def scale_histograms(scales: dict[tuple[int, str], np.ndarray]) -> Figure:

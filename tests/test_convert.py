@@ -226,11 +226,13 @@ def test_conversions_in_threads_of_one_process_give_identical_files(
     from concurrent.futures import ThreadPoolExecutor
 
     from k3lab.formats.manifest import merge
-    from k3lab.pipeline.runner import Job, run_one
+    from k3lab.pipeline.runner import Task, prepare, run_task
+    from k3lab.pipeline.sources import SourceSpec
 
-    job = Job(str(tiny_src), str(tiny_src), str(tmp_path))
+    spec = SourceSpec(str(tiny_src), src_dir=str(tiny_src))
+    task = Task(str(tmp_path), spec, prepare(spec, tmp_path).inputs_digest)
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda k: run_one(job, k), range(1, 10)))
+        results = list(pool.map(lambda k: run_task(task, k), range(1, 10)))
     assert sorted(r.number for r in results) == list(range(1, 10))
     merge(tmp_path)
     for a, b in zip(_files(tiny_out), _files(tmp_path), strict=True):

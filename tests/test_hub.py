@@ -83,7 +83,6 @@ def test_streaming_with_faults_gives_the_local_bytes(tiny_src: Path, tiny_out: P
     counter.join()
     assert counter.looks > 100
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "at most 2 source shards on disk" in result.stdout
     for f in sorted(tiny_out.glob("*.gguf")):
         assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
     assert 1 <= counter.peak <= 2, counter.peak

@@ -162,6 +162,7 @@ class Plan:
                             "name": t.name,
                             "type": t.info.type.name,
                             "shape": list(t.info.shape),
+                            "ne": list(t.info.ne),
                             "bytes": t.nbytes,
                             "transform": t.transform,
                             "rule": RULES.index(t.rule),
