@@ -7,6 +7,12 @@ straightforward implementation), because these machines are shared and noisy. Ro
   layer       one `layer` shard (real expert dims 3584/3072) with 16 and 64 experts: conversion wall
               time (manifest hashing included) as a ratio to `cp` and to `cp && sync` of the same source
               file (k3lab fsyncs what it writes), hashing overhead, and peak RSS of the converting process
+  fullscale   on `synth --preset full` (the real 96-shard headers; data as sparse holes, so reading costs
+              no disk): planning once vs loading the saved plan, the fixed cost of a task before its
+              first byte, re-running a complete shard, one MoE shard vs `dd conv=fsync` of the same
+              size, --jobs 1 vs --jobs 2 on two MoE shards, and peak RSS per shard kind vs the plan's
+              forecast. Needs ~40 GB free disk (output files are deleted as it goes); K3LAB_FULL=DIR
+              reuses a synthesised full checkpoint.
   tokenizer   GGUF vocabulary of the real size (163,840 ids) vs the straightforward per-token BPE
               reconstruction (as upstream does it) on the same vocabulary; the merges must agree
 """
@@ -14,6 +20,7 @@ straightforward implementation), because these machines are shared and noisy. Ro
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -69,7 +76,8 @@ def bench_repack() -> list[tuple[str, str, str]]:
 
 CONVERT_ONE = """
 import resource, sys, time
-from k3lab.pipeline.runner import load_plan
+from k3lab.pipeline.runner import prepare
+from k3lab.pipeline.sources import SourceSpec
 from k3lab.pipeline.convert import convert_file
 src, out, nohash = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 if nohash:  # measure the manifest's cost: the same run with a hasher that does nothing
@@ -78,12 +86,13 @@ if nohash:  # measure the manifest's cost: the same run with a hasher that does 
         def update(self, b): pass
         def hexdigest(self): return "0" * 64
     k3lab.formats.hashing.sha256 = Null
-plan, source = load_plan(src, src, "auto", "Kimi-K3")
+spec = SourceSpec(src, src_dir=src)
+plan, source = prepare(spec, out), spec.open()
 import numpy as np
 from k3lab.formats import mxfp4
 mxfp4.repack(np.zeros((1, 16), np.uint8), np.zeros((1, 1), np.uint8))  # numba's one-time start (~1 s a process)
 t = time.perf_counter()
-convert_file(plan, 2, source, out, src, force=True)
+convert_file(plan, 2, source, out, force=True)
 print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """
 
@@ -156,6 +165,162 @@ def _layer_row(experts: int) -> list[tuple[str, str, str]]:
 @row
 def bench_layer() -> list[tuple[str, str, str]]:
     return _layer_row(16) + _layer_row(64)
+
+
+FULL_TASK_SETUP = """
+import sys, time
+t0 = time.perf_counter()
+from k3lab.pipeline.convert import file_kvs, shard_entries
+from k3lab.pipeline.plan import load_plan
+from k3lab.pipeline.sources import SourceSpec
+out, src, k = sys.argv[1], sys.argv[2], int(sys.argv[3])
+t1 = time.perf_counter()
+plan = load_plan(out)
+source = SourceSpec(src, src_dir=src).open()
+entries = shard_entries(plan, k, source)
+kvs = file_kvs(plan, k, out)
+t2 = time.perf_counter()
+print(t1 - t0, t2 - t1)
+"""
+
+
+def _run_timed(cmd: list[str]) -> tuple[float, int, str]:
+    """Wall seconds, peak RSS (bytes) and stdout of a command, from /usr/bin/time."""
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r") as tf:
+        t = time.perf_counter()
+        r = subprocess.run(
+            ["/usr/bin/time", "-f", "%M", "-o", tf.name, *cmd], check=True, capture_output=True, text=True
+        )
+        seconds = time.perf_counter() - t
+        return seconds, int(tf.read().split()[-1]) * 1024, r.stdout
+
+
+@row
+def bench_fullscale() -> list[tuple[str, str, str]]:
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from k3lab.synth import synthesize
+
+    rows: list[tuple[str, str, str]] = []
+    with tempfile.TemporaryDirectory(dir=".") as tmp:
+        src = Path(os.environ.get("K3LAB_FULL") or Path(tmp) / "full")
+        if not (src / "config.json").exists():
+            synthesize("full", src)
+        out = Path(tmp) / "out"
+        k3 = [sys.executable, "-m", "k3lab.cli"]
+        base = [*k3, "convert", "--meta", str(src), "--out-dir", str(out), "--quiet"]
+
+        t_plan, rss_plan, _ = _run_timed([*k3, "plan", "--meta", str(src), "--out-dir", str(out)])
+        t_load, rss_load, _ = _run_timed([*k3, "plan", "--meta", str(src), "--out-dir", str(out)])
+        rows += [
+            (
+                "full: plan 94 headers once, save .k3lab/plan.json",
+                f"{t_plan:.1f} s",
+                f"peak RSS {rss_plan / 2**20:.0f} MiB",
+            ),
+            (
+                "  load the saved plan (inputs unchanged)",
+                f"{t_load:.2f} s",
+                f"peak RSS {rss_load / 2**20:.0f} MiB; {t_plan / t_load:.0f}x faster",
+            ),
+        ]
+        r = subprocess.run(
+            [sys.executable, "-c", FULL_TASK_SETUP, str(out), str(src), "2"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        imports, setup = map(float, r.stdout.split())
+        rows.append(
+            (
+                "  task fixed cost before its first byte (MoE shard)",
+                f"{setup:.3f} s",
+                f"load plan + read its header; imports {imports:.2f} s",
+            )
+        )
+
+        plan = json.loads((out / ".k3lab" / "plan.json").read_text())
+        forecast = {f["number"]: f["memory"] for f in plan["files"]}
+        nbytes = {f["number"]: f["bytes"] for f in plan["files"]}
+        kinds = {
+            1: "shard 1 (dense FFN, KDA, vocabulary)",
+            4: "shard 4 (MoE, MLA)",
+            94: "shard 94 (embeddings, lm_head)",
+        }
+        for k, label in kinds.items():
+            os.sync()
+            t, rss, _ = _run_timed([*base, "--shards", str(k)])
+            rows.append(
+                (
+                    f"  peak RSS {label}",
+                    f"{rss / 2**20:.0f} MiB",
+                    f"forecast {forecast[k] / 2**20:.0f} MiB ({100 * (forecast[k] / rss - 1):+.0f}%); {t:.1f} s",
+                )
+            )
+            if k == 1:
+                t_again, rss_again, _ = _run_timed([*base, "--shards", "1"])
+                rows.append(
+                    (
+                        "  re-run on the complete shard 1",
+                        f"{t_again:.2f} s",
+                        f"peak RSS {rss_again / 2**20:.0f} MiB (whole command)",
+                    )
+                )
+            for f in out.glob("*.gguf"):
+                f.unlink()
+        # one MoE shard against dd of the same size, fsynced, on the same disk
+        os.sync()
+        t_moe, rss_moe, _ = _run_timed([*base, "--shards", "2"])
+        size = nbytes[2]
+        for f in out.glob("*.gguf"):
+            f.unlink()
+        os.sync()
+        t_dd = _timed(
+            [
+                "dd",
+                "if=/dev/zero",
+                f"of={tmp}/dd.out",
+                "bs=16M",
+                f"count={size // (16 << 20)}",
+                "conv=fsync",
+                "status=none",
+            ]
+        )
+        Path(tmp, "dd.out").unlink()
+        rows += [
+            (
+                f"  MoE shard 2 ({size / 1e9:.1f} GB out): convert + hash + fsync",
+                f"{t_moe:.1f} s",
+                f"{size / t_moe / 1e6:.0f} MB/s; peak RSS {rss_moe / 2**20:.0f} MiB, forecast {forecast[2] / 2**20:.0f}",
+            ),
+            (
+                "    vs dd conv=fsync of the same size",
+                f"{t_moe / t_dd:.2f}x dd",
+                f"dd {t_dd:.1f} s ({size / t_dd / 1e6:.0f} MB/s)",
+            ),
+        ]
+        # two MoE shards, one process vs two
+        walls = {}
+        for jobs in (1, 2):
+            os.sync()
+            walls[jobs], _, _ = _run_timed([*base, "--shards", "2-3", "--jobs", str(jobs), "--force"])
+            for f in out.glob("*.gguf"):
+                f.unlink()
+        rows.append(
+            (
+                "  shards 2-3: --jobs 2 vs --jobs 1",
+                f"{walls[1] / walls[2]:.2f}x faster",
+                f"--jobs 1 {walls[1]:.1f} s, --jobs 2 {walls[2]:.1f} s (2 cores)",
+            )
+        )
+        shutil.rmtree(out, ignore_errors=True)
+    return rows
 
 
 @row

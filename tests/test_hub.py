@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from hub_server import HubServer
@@ -142,3 +144,80 @@ def test_token_is_honoured(tiny_src: Path, tmp_path: Path) -> None:
         assert r.returncode == 2 and "401" in r.stderr and REPO in r.stderr
         r = _convert(hub, tmp_path / "b", "--shards", "9", token="hf_secret")
         assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_every_dask_worker_streams_its_own_shards_from_the_hub(
+    tiny_src: Path, tiny_out: Path, tmp_path: Path
+) -> None:
+    """A real `dask scheduler` and two `dask worker` processes, started as a user would: each task
+    downloads its own shard from the (faulty) Hub into scratch, converts it into the shared output
+    folder and deletes it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "DASK_"))}
+    sched_file = tmp_path / "scheduler.json"
+    procs = [
+        subprocess.Popen(
+            [
+                "dask",
+                "scheduler",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--no-dashboard",
+                "--scheduler-file",
+                str(sched_file),
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    ]
+    try:
+        for _ in range(300):
+            if sched_file.exists() and sched_file.stat().st_size:
+                break
+            time.sleep(0.1)
+        address = json.loads(sched_file.read_text())["address"]
+        for _ in range(2):
+            procs.append(
+                subprocess.Popen(
+                    [
+                        "dask",
+                        "worker",
+                        address,
+                        "--nworkers",
+                        "1",
+                        "--nthreads",
+                        "1",
+                        "--no-dashboard",
+                        "--host",
+                        "127.0.0.1",
+                    ],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        from distributed import Client
+
+        with Client(address, timeout=60) as client:
+            client.wait_for_workers(2, timeout=60)
+        with HubServer(tiny_src, faults=True) as hub:
+            result = _convert(hub, tmp_path, "--scheduler", address)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "9 written" in result.stdout and "written by 2 processes" in result.stdout, result.stdout
+        for f in sorted(tiny_out.glob("*.gguf")):
+            assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
+        assert json.loads((tmp_path / "out" / "MANIFEST.json").read_text()) == json.loads(
+            (tiny_out / "MANIFEST.json").read_text()
+        )
+        assert not list((tmp_path / "scratch").rglob("*.safetensors*"))
+        assert any(r[0] == "GET" and ".safetensors" in r[1] for r in hub.requests)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()

@@ -10,9 +10,11 @@ bounded by what the streams hold at once, which the plan forecasts per file.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +114,10 @@ def write_tensors(
     return records, g.data_start
 
 
+def worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
 @dataclass
 class FileResult:
     number: int
@@ -119,6 +125,7 @@ class FileResult:
     skipped: bool
     seconds: float
     nbytes: int
+    worker: str = field(default_factory=worker_name)  # host:pid of the process that did it
 
 
 def file_kvs(plan: Plan, number: int, out_dir: str | Path) -> list[KV]:

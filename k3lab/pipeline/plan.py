@@ -377,7 +377,7 @@ def file_digest(plan: Plan, pf: PlannedFile) -> str:
         items,
         plan.kvs_digest if pf.number == 1 else None,
     ]
-    return hashlib.sha256(json.dumps(key, default=list).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(key, default=list, sort_keys=True).encode()).hexdigest()
 
 
 # --- the plan on disk: OUT/.k3lab/plan.json and OUT/.k3lab/kvs.json ---------------------------------
@@ -471,7 +471,9 @@ def ensure_plan(
 
 # --- memory ------------------------------------------------------------------------------------------
 
-BASE_RSS = 160 * 1024 * 1024  # a converting process's Python, numpy, numba and gguf before any tensor
+# a converting process's Python, numpy, gguf, huggingface_hub and the plan before any tensor
+# (measured 115 MiB for the embeddings shard of `synth --preset full`; `benchmarks/run.py rss`)
+BASE_RSS = 115 * 1024 * 1024
 
 
 def file_memory(pf: PlannedFile, entries: list[TensorEntry]) -> int:

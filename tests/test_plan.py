@@ -1,0 +1,181 @@
+"""The plan: made once per output folder, loaded by every task, and redone for exactly what changed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import gguf
+import pytest
+from conftest import convert
+
+from k3lab.cli import main
+from k3lab.formats import safetensors
+from k3lab.pipeline import plan as plan_mod
+from k3lab.pipeline.runner import Task, prepare, run_task
+from k3lab.pipeline.sources import SourceSpec
+
+
+def _copy(src: Path, tmp: Path) -> Path:
+    dst = tmp / "src"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _stamps(out: Path) -> dict[str, int]:
+    """Each finished file's inode: a rewrite (written as .partial, renamed) gives a new one."""
+    return {p.name: p.stat().st_ino for p in sorted(out.glob("*.gguf"))}
+
+
+def _kv(path: Path, key: str) -> object:
+    return gguf.GGUFReader(path).fields[key].contents()
+
+
+def _edit_json(path: Path, edit) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data, indent=1))
+
+
+def test_the_plan_is_saved_and_reused_until_an_input_changes(tiny_src: Path, tmp_path: Path) -> None:
+    spec = SourceSpec(str(tiny_src), src_dir=str(tiny_src))
+    first = prepare(spec, tmp_path)
+    saved = json.loads((tmp_path / ".k3lab" / "plan.json").read_text())
+    assert saved["format"] == plan_mod.PLAN_FORMAT and saved["inputs_digest"] == first.inputs_digest
+    assert set(saved["inputs"]["meta"]) >= {"config.json", "model.safetensors.index.json", "tiktoken.model"}
+    calls = []
+    real = plan_mod.build_plan
+    plan_mod.build_plan = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        again = prepare(spec, tmp_path)
+    finally:
+        plan_mod.build_plan = real
+    assert not calls  # loaded, not made again
+    assert [f.digest for f in again.files] == [f.digest for f in first.files]
+
+
+def test_a_task_reads_only_its_own_shard_header(tiny_src: Path, tmp_path: Path, monkeypatch) -> None:
+    spec = SourceSpec(str(tiny_src), src_dir=str(tiny_src))
+    plan = prepare(spec, tmp_path)
+    read: list[str] = []
+    real = safetensors.read_raw_header
+    monkeypatch.setattr(
+        "k3lab.pipeline.sources.read_raw_header", lambda p: read.append(Path(p).name) or real(p)
+    )
+    monkeypatch.setattr(
+        "k3lab.pipeline.sources.read_index", lambda *a: pytest.fail("a task parsed the index")
+    )
+    from k3lab.pipeline import runner, sources
+
+    sources._open_source.cache_clear()
+    runner._task_plan.cache_clear()
+    result = run_task(Task(str(tmp_path), spec, plan.inputs_digest), 3)
+    assert not result.skipped
+    assert read == [plan.file(3).source_file]
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["rms_norm_eps", "chat_template_in_tokenizer_config", "chat_template_flag", "tiktoken_special_name"],
+)
+def test_a_metadata_change_rewrites_file_1_and_only_file_1(
+    tiny_src: Path, tmp_path: Path, change: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = _copy(tiny_src, tmp_path)
+    out = tmp_path / "out"
+    assert convert(src, out) == 0
+    before = _stamps(out)
+    extra: list[str] = []
+    first = next(out.glob("*-00001-of-*.gguf"))
+    if change == "rms_norm_eps":
+        _edit_json(src / "config.json", lambda c: c["text_config"].__setitem__("rms_norm_eps", 3e-6))
+        key, want = "kimi-k3.attention.layer_norm_rms_epsilon", pytest.approx(3e-6)
+    elif change == "chat_template_in_tokenizer_config":
+        _edit_json(src / "tokenizer_config.json", lambda c: c.__setitem__("chat_template", "{{ messages }}"))
+        key, want = "tokenizer.chat_template", "{{ messages }}"
+    elif change == "chat_template_flag":
+        template = tmp_path / "t.jinja"
+        template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+        extra = ["--chat-template", str(template)]
+        key, want = "tokenizer.chat_template", template.read_text()
+    else:
+        _edit_json(
+            src / "tokenizer_config.json",
+            lambda c: c["added_tokens_decoder"]["163587"].__setitem__("content", "<|opened|>")
+            if "163587" in c["added_tokens_decoder"]
+            else next(iter(c["added_tokens_decoder"].values())).__setitem__("content", "<|opened|>"),
+        )
+        key, want = None, None
+    capsys.readouterr()
+    assert convert(src, out, *extra) == 0
+    assert "1 written, 8 already complete" in capsys.readouterr().out
+    after = _stamps(out)
+    assert after.pop(first.name) != before.pop(first.name)
+    assert after == before
+    if key:
+        assert _kv(first, key) == want
+    else:
+        assert "<|opened|>" in _kv(first, "tokenizer.ggml.tokens")
+    assert main(["verify", str(out), "--src", str(src), "--quiet"] + []) == 0
+
+
+def test_verify_src_says_file_1_is_stale_when_the_config_changed_since(
+    tiny_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = _copy(tiny_src, tmp_path)
+    out = tmp_path / "out"
+    assert convert(src, out) == 0
+    _edit_json(src / "config.json", lambda c: c["text_config"].__setitem__("rms_norm_eps", 3e-6))
+    capsys.readouterr()
+    assert main(["verify", str(out), "--src", str(src), "--quiet"]) == 1
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "stale" in ln]
+    assert len(lines) == 1 and "-00001-of-" in lines[0] and "metadata" in lines[0]
+
+
+def test_a_changed_shard_header_redoes_its_own_file_only(
+    tiny_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = _copy(tiny_src, tmp_path)
+    out = tmp_path / "out"
+    assert convert(src, out) == 0
+    before = _stamps(out)
+    shard = sorted(src.glob("model-*.safetensors"))[2]  # holds layer 2: output file 3
+    data = shard.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    header["__metadata__"] = {**header.get("__metadata__", {}), "saved_by": "another tool"}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    shard.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+    capsys.readouterr()
+    assert convert(src, out) == 0
+    assert "1 written, 8 already complete" in capsys.readouterr().out
+    after = _stamps(out)
+    third = next(p for p in after if "-00003-of-" in p)
+    assert after.pop(third) != before.pop(third)
+    assert after == before
+
+
+def test_a_task_refuses_a_shard_that_changed_after_planning(tiny_src: Path, tmp_path: Path) -> None:
+    src = _copy(tiny_src, tmp_path)
+    spec = SourceSpec(str(src), src_dir=str(src))
+    plan = prepare(spec, tmp_path / "out")
+    shard = src / plan.file(2).source_file
+    data = shard.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    shard.write_bytes(data[: 8 + n - 1] + b"\n" + data[8 + n :])  # same length, other header bytes
+    from k3lab.pipeline import runner, sources
+
+    sources._open_source.cache_clear()
+    runner._task_plan.cache_clear()
+    with pytest.raises(plan_mod.PlanError, match="header differs from the one the plan was made from"):
+        run_task(Task(str(tmp_path / "out"), spec, plan.inputs_digest), 2)
+    assert not list((tmp_path / "out").glob("*.gguf*"))
+
+
+def test_plan_forecasts_memory_per_file(tiny_src: Path, tmp_path: Path) -> None:
+    plan = prepare(SourceSpec(str(tiny_src), src_dir=str(tiny_src)), tmp_path)
+    assert all(f.memory >= plan_mod.BASE_RSS for f in plan.files)
+    assert plan.file(1).memory > plan.file(2).memory  # file 1 also holds the vocabulary
