@@ -76,7 +76,7 @@ def bench_repack() -> list[tuple[str, str, str]]:
 
 CONVERT_ONE = """
 import resource, sys, time
-from k3lab.pipeline.runner import prepare
+from k3lab.pipeline.runner import start_run
 from k3lab.pipeline.sources import SourceSpec
 from k3lab.pipeline.convert import convert_file
 src, out, nohash = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
@@ -87,7 +87,8 @@ if nohash:  # measure the manifest's cost: the same run with a hasher that does 
         def hexdigest(self): return "0" * 64
     k3lab.formats.hashing.sha256 = Null
 spec = SourceSpec(src, src_dir=src)
-plan, source = prepare(spec, out), spec.open()
+with start_run(spec, out) as (plan, _):
+    source = spec.open()
 import numpy as np
 from k3lab.formats import mxfp4
 mxfp4.repack(np.zeros((1, 16), np.uint8), np.zeros((1, 1), np.uint8))  # numba's one-time start (~1 s a process)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -79,12 +80,13 @@ def _plan(args: argparse.Namespace) -> int:
 
     from k3lab.kimi_k3.config import K3Config
     from k3lab.pipeline.plan import build_plan, describe_plan
-    from k3lab.pipeline.runner import prepare
+    from k3lab.pipeline.runner import start_run
 
     spec = _source_spec(args)
     options = _run_options(args)
     if args.out_dir:
-        plan = prepare(spec, args.out_dir, options)
+        with start_run(spec, args.out_dir, options) as (plan, _):
+            pass
     else:
         source = spec.open()
         plan = build_plan(
@@ -95,7 +97,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from k3lab.pipeline.runner import convert_shards, parse_shards, prepare
+    from k3lab.pipeline.runner import convert_shards
     from k3lab.util import human_bytes
 
     if args.scheduler and args.jobs != 1:
@@ -106,17 +108,14 @@ def _convert(args: argparse.Namespace) -> int:
         raise K3LabError(f"--jobs {args.jobs}: give 1 or more")
     spec = _source_spec(args)
     options = _run_options(args)
-    plan = prepare(spec, args.out_dir, options)
-    numbers = parse_shards(args.shards, len(plan.files))
     results = convert_shards(
         spec,
         args.out_dir,
-        numbers,
+        args.shards,
         jobs=args.jobs,
         quiet=args.quiet,
         scheduler=args.scheduler,
         options=options,
-        plan=plan,
     )
     written = [r for r in results if not r.skipped]
     workers = sorted({r.worker for r in written})
@@ -176,22 +175,22 @@ def _check_logits(args: argparse.Namespace) -> int:
 
 def _batch(args: argparse.Namespace) -> int:
     from k3lab.pipeline.batch import run_batch, summary
-    from k3lab.pipeline.runner import RunOptions, parse_shards, prepare
+    from k3lab.pipeline.runner import parse_shards, start_run
 
     spec = _source_spec(args)
-    plan = prepare(spec, args.out_dir, RunOptions())
-    shards = parse_shards(args.shards, len(plan.files))
-    run_dir, results = run_batch(
-        args.notebook,
-        args.meta,
-        args.src or args.meta,
-        args.out_dir,
-        shards,
-        args.scheduler,
-        args.workers,
-        args.run_id,
-        args.runs_dir,
-    )
+    with start_run(spec, args.out_dir) as (plan, token):
+        run_dir, results = run_batch(
+            args.notebook,
+            args.meta,
+            args.src or args.meta,
+            args.out_dir,
+            parse_shards(args.shards, len(plan.files)),
+            args.scheduler,
+            args.workers,
+            args.run_id,
+            args.runs_dir,
+            run_token=token,
+        )
     print(summary(run_dir, results))
     return 0 if all(r.status == "ok" for r in results) else 1
 
@@ -323,18 +322,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from k3lab.pipeline.runner import Stopped, stop_on_sigterm
+
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        stop_on_sigterm()
     try:
         return int(args.func(args) or 0)
     except K3LabError as e:
         print(f"k3lab: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except OSError as e:  # the machine's, not the input's: a full disk, a missing folder, a permission
         print(f"k3lab: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("k3lab: interrupted", file=sys.stderr)
+        print("k3lab: interrupted; finished files are kept, unfinished ones removed", file=sys.stderr)
         return 130
+    except Stopped as e:
+        print(f"k3lab: stopped by {e}; finished files are kept, unfinished ones removed", file=sys.stderr)
+        return 143
 
 
 if __name__ == "__main__":

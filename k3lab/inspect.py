@@ -33,7 +33,7 @@ def open_conversion(meta: str | Path, src: str | Path, out_dir: str | Path) -> t
     from k3lab.pipeline.runner import prepare
 
     spec = SourceSpec(str(meta), src_dir=str(src))
-    return prepare(spec, out_dir), spec.open()  # type: ignore[return-value]
+    return prepare(spec, out_dir)[0], spec.open()  # type: ignore[return-value]
 
 
 def convert(
@@ -42,12 +42,16 @@ def convert(
     out_dir: str | Path,
     shards: list[int] | None = None,
     force: bool = False,
+    run_token: str | None = None,
 ) -> list[Any]:
-    """Convert output files ``shards`` (default: all) exactly as ``k3lab convert`` does."""
+    """Convert output files ``shards`` (default: all) exactly as ``k3lab convert`` does (as part of
+    the run holding ``run_token`` when `k3lab batch` runs this)."""
     from k3lab.pipeline.runner import RunOptions, convert_shards
 
     spec = SourceSpec(str(meta), src_dir=str(src))
-    return convert_shards(spec, out_dir, shards, quiet=True, options=RunOptions(force=force))
+    return convert_shards(
+        spec, out_dir, shards, quiet=True, options=RunOptions(force=force), run_token=run_token
+    )
 
 
 def open_checkpoint(src: str | Path, meta: str | Path | None = None) -> tuple[K3Config, LocalSource]:

@@ -27,3 +27,12 @@ def tiny_out(tiny_src: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny-gguf")
     assert convert(tiny_src, out, "--jobs", "2") == 0
     return out
+
+
+def saved_plan(src: Path, out: Path):
+    """Plan converting ``src`` into ``out`` and save it there, as a run does (then release the folder)."""
+    from k3lab.pipeline.runner import start_run
+    from k3lab.pipeline.sources import SourceSpec
+
+    with start_run(SourceSpec(str(src), src_dir=str(src)), out) as (plan, _):
+        return plan

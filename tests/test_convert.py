@@ -225,12 +225,14 @@ def test_conversions_in_threads_of_one_process_give_identical_files(
     wait for its own background hashes only, and the set must come out the same."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from conftest import saved_plan
+
     from k3lab.formats.manifest import merge
-    from k3lab.pipeline.runner import Task, prepare, run_task
+    from k3lab.pipeline.runner import Task, run_task
     from k3lab.pipeline.sources import SourceSpec
 
     spec = SourceSpec(str(tiny_src), src_dir=str(tiny_src))
-    task = Task(str(tmp_path), spec, prepare(spec, tmp_path).inputs_digest)
+    task = Task(str(tmp_path), spec, saved_plan(tiny_src, tmp_path).inputs_digest)
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda k: run_task(task, k), range(1, 10)))
     assert sorted(r.number for r in results) == list(range(1, 10))

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import gguf
 import pytest
-from conftest import convert
+from conftest import convert, saved_plan
 
 from k3lab.cli import main
 from k3lab.formats import safetensors
 from k3lab.pipeline import plan as plan_mod
-from k3lab.pipeline.runner import Task, prepare, run_task
+from k3lab.pipeline.runner import Task, run_task
 from k3lab.pipeline.sources import SourceSpec
 
 
@@ -40,8 +40,7 @@ def _edit_json(path: Path, edit) -> None:
 
 
 def test_the_plan_is_saved_and_reused_until_an_input_changes(tiny_src: Path, tmp_path: Path) -> None:
-    spec = SourceSpec(str(tiny_src), src_dir=str(tiny_src))
-    first = prepare(spec, tmp_path)
+    first = saved_plan(tiny_src, tmp_path)
     saved = json.loads((tmp_path / ".k3lab" / "plan.json").read_text())
     assert saved["format"] == plan_mod.PLAN_FORMAT and saved["inputs_digest"] == first.inputs_digest
     assert set(saved["inputs"]["meta"]) >= {"config.json", "model.safetensors.index.json", "tiktoken.model"}
@@ -49,7 +48,7 @@ def test_the_plan_is_saved_and_reused_until_an_input_changes(tiny_src: Path, tmp
     real = plan_mod.build_plan
     plan_mod.build_plan = lambda *a, **k: calls.append(1) or real(*a, **k)
     try:
-        again = prepare(spec, tmp_path)
+        again = saved_plan(tiny_src, tmp_path)
     finally:
         plan_mod.build_plan = real
     assert not calls  # loaded, not made again
@@ -58,7 +57,7 @@ def test_the_plan_is_saved_and_reused_until_an_input_changes(tiny_src: Path, tmp
 
 def test_a_task_reads_only_its_own_shard_header(tiny_src: Path, tmp_path: Path, monkeypatch) -> None:
     spec = SourceSpec(str(tiny_src), src_dir=str(tiny_src))
-    plan = prepare(spec, tmp_path)
+    plan = saved_plan(tiny_src, tmp_path)
     read: list[str] = []
     real = safetensors.read_raw_header
     monkeypatch.setattr(
@@ -103,9 +102,11 @@ def test_a_metadata_change_rewrites_file_1_and_only_file_1(
     else:
         _edit_json(
             src / "tokenizer_config.json",
-            lambda c: c["added_tokens_decoder"]["163587"].__setitem__("content", "<|opened|>")
-            if "163587" in c["added_tokens_decoder"]
-            else next(iter(c["added_tokens_decoder"].values())).__setitem__("content", "<|opened|>"),
+            lambda c: (
+                c["added_tokens_decoder"]["163587"].__setitem__("content", "<|opened|>")
+                if "163587" in c["added_tokens_decoder"]
+                else next(iter(c["added_tokens_decoder"].values())).__setitem__("content", "<|opened|>")
+            ),
         )
         key, want = None, None
     capsys.readouterr()
@@ -161,7 +162,7 @@ def test_a_changed_shard_header_redoes_its_own_file_only(
 def test_a_task_refuses_a_shard_that_changed_after_planning(tiny_src: Path, tmp_path: Path) -> None:
     src = _copy(tiny_src, tmp_path)
     spec = SourceSpec(str(src), src_dir=str(src))
-    plan = prepare(spec, tmp_path / "out")
+    plan = saved_plan(src, tmp_path / "out")
     shard = src / plan.file(2).source_file
     data = shard.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
@@ -176,6 +177,11 @@ def test_a_task_refuses_a_shard_that_changed_after_planning(tiny_src: Path, tmp_
 
 
 def test_plan_forecasts_memory_per_file(tiny_src: Path, tmp_path: Path) -> None:
-    plan = prepare(SourceSpec(str(tiny_src), src_dir=str(tiny_src)), tmp_path)
+    from k3lab.kimi_k3.transforms import STREAMS
+
+    plan = saved_plan(tiny_src, tmp_path)
     assert all(f.memory >= plan_mod.BASE_RSS for f in plan.files)
-    assert plan.file(1).memory > plan.file(2).memory  # file 1 also holds the vocabulary
+    moe = [f for f in plan.files if any(t.transform == "mxfp4_stack" for t in f.tensors)]
+    assert moe and all(f.memory >= plan_mod.BASE_RSS + STREAMS["mxfp4"].fixed for f in moe)
+    dense = plan.file(len(plan.files))  # embeddings and lm_head: copies only
+    assert dense.memory < moe[0].memory

@@ -9,7 +9,10 @@ renamed: a final path only ever holds a complete file, and a failure leaves noth
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import shutil
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 
+from k3lab.errors import MachineError
 from k3lab.formats import hashing
 
 ALIGNMENT = 32  # GGUF default
@@ -76,7 +80,7 @@ def split_kvs(split_no: int, split_count: int, tensors_total: int) -> list[KV]:
     ]
 
 
-PIECES_IN_FLIGHT = 1  # pieces the writer may still be hashing while the producer makes the next
+PIECES_IN_FLIGHT = 2  # pieces the writer may still be hashing or writing while the producer makes the next
 WRITEBACK_STEP = 64 * 1024 * 1024  # bytes written between writeback requests
 
 
@@ -91,6 +95,7 @@ class GGUFStream:
         self._flushed = self._dropped = 0  # file offsets handed to the kernel's writeback
         self._writeback: ThreadPoolExecutor | None = None
         self._writeback_requests: list[Future] = []
+        self._io: ThreadPoolExecutor | None = None
         self.hashes: dict[str, str] = {}
         self._writer = GGUFWriter(self.partial, arch)
         for kv in kvs:
@@ -105,36 +110,65 @@ class GGUFStream:
 
     def __enter__(self) -> GGUFStream:
         self.partial.parent.mkdir(parents=True, exist_ok=True)
-        self._writer.write_header_to_file(self.partial)
-        self._writer.write_kv_data_to_file()
-        self._writer.write_ti_data_to_file()
-        self._fh = self._writer.fout[0]
-        self.data_start = self.data_offset_next()
+        try:
+            self._writer.write_header_to_file(self.partial)
+            self._writer.write_kv_data_to_file()
+            self._writer.write_ti_data_to_file()
+            self._fh = self._writer.fout[0]
+            self._pos = self._fh.tell()  # bytes handed to the I/O thread so far
+            self.data_start = self.data_offset_next()
+        except BaseException as e:
+            fout = self._writer.fout
+            for fh in fout or []:
+                with contextlib.suppress(OSError):
+                    fh.close()
+            self._writer.fout = None
+            self.partial.unlink(missing_ok=True)
+            raise _explained(e, self.path, "the header and metadata", self._expected_size()) from None
         return self
+
+    def _expected_size(self) -> int:
+        """The finished file's size: header (as far as known) plus aligned tensor data."""
+        pos = getattr(self, "data_start", 0)
+        for ti in self.infos:
+            pos += -pos % ALIGNMENT + ti.nbytes
+        return pos + (-pos % ALIGNMENT if self.infos else 0)
 
     def data_offset_next(self) -> int:
         """Absolute file offset where the next tensor's data will start."""
-        pos = self._fh.tell()
-        return pos + (-pos % ALIGNMENT)
+        return self._pos + (-self._pos % ALIGNMENT)
+
+    def _submit_write(self, data: bytes | memoryview, what: str) -> None:
+        """Write on the I/O thread, in order: a write the kernel throttles to the disk's speed then
+        overlaps the producer's reading and repacking. Queued with the hashes (``hashing.track``)."""
+        self._pos += len(data)
+        if self._io is None:
+            self._io = ThreadPoolExecutor(1, thread_name_prefix="k3lab-write")
+        hashing.track(self._io.submit(self._write_now, data, what))
+
+    def _write_now(self, data: bytes | memoryview, what: str) -> None:
+        try:
+            self._fh.write(data)
+        except OSError as e:
+            raise _explained(e, self.path, what, self._expected_size()) from None
+        self._start_writeback()
 
     def write(self, name: str, pieces: Iterable[bytes | bytearray | memoryview | np.ndarray]) -> str:
         """Stream tensor ``name`` (the next declared one) from byte pieces; returns its SHA-256."""
         ti = self.infos[self._next]
         if ti.name != name:
             raise ValueError(f"{self.path.name}: expected tensor {ti.name}, got {name}")
-        fh = self._fh
-        pad = -fh.tell() % ALIGNMENT
+        pad = -self._pos % ALIGNMENT
         if pad:
-            fh.write(b"\0" * pad)
+            self._submit_write(b"\0" * pad, f"tensor {name}")
         h, n, marks = hashing.sha256(), 0, []
         for piece in pieces:
             mv = hashing.as_bytes(piece)
-            hashing.update(h, mv)  # on the other core, while this one writes
-            fh.write(mv)
+            hashing.update(h, mv)  # on the other core, while this one makes the next piece
+            self._submit_write(mv, f"tensor {name}")
             n += mv.nbytes
-            self._start_writeback()
-            # PIECES_IN_FLIGHT pieces may still be hashing while the producer makes the next one,
-            # so a producer reusing buffers must rotate PIECES_IN_FLIGHT + 1 of them.
+            # PIECES_IN_FLIGHT pieces may still be hashing or writing while the producer makes the
+            # next one, so a producer reusing buffers must rotate PIECES_IN_FLIGHT + 1 of them.
             marks.append(hashing.mark())
             if len(marks) > PIECES_IN_FLIGHT:
                 hashing.wait(upto=marks.pop(0))
@@ -175,9 +209,21 @@ class GGUFStream:
             r.result()  # a request that failed is a bug here: say so
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """Success: pad, fsync, close, rename into place. Any failure, here or in the block: close and
+        delete the .partial (a failing close, e.g. ENOSPC again, must not skip the delete)."""
         fh = self._fh
+        error: BaseException | None = None
+        try:  # every queued write must be done (or failed) before the file is closed
+            hashing.wait()
+        except BaseException as e:
+            error = e
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
         try:
             self._stop_writeback()
+            if error is not None:
+                raise error
             if exc_type is None:
                 if self._next != len(self.infos):
                     raise ValueError(
@@ -188,14 +234,35 @@ class GGUFStream:
                     fh.write(b"\0" * pad)
                 fh.flush()
                 os.fsync(fh.fileno())
+        except BaseException as e:
+            error = e
         finally:
-            fh.close()
+            try:
+                fh.close()
+            except OSError as e:
+                error = error or e
             self._writer.fout = None
-        if exc_type is None:
+        if exc_type is None and error is None:
             os.replace(self.partial, self.path)
             _fsync_dir(self.path.parent)
-        else:
-            self.partial.unlink(missing_ok=True)
+            return
+        self.partial.unlink(missing_ok=True)
+        if error is not None:
+            raise _explained(error, self.path, "the end of the file", self._expected_size()) from None
+
+
+def _explained(e: BaseException, path: Path, what: str, size: int) -> BaseException:
+    """A full disk as one line naming the file, what was being written and the space it needs."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = shutil.disk_usage(path.parent).free
+        except OSError:
+            free = 0
+        return MachineError(
+            f"{path}: no space left on the device while writing {what} (the file needs {size:,} bytes; "
+            f"{free:,} free); nothing was kept of it"
+        )
+    return e
 
 
 def _fsync_dir(path: Path) -> None:

@@ -1,11 +1,11 @@
-"""SHA-256 on the other core: background threads hash in FIFO order while the caller reads, repacks
-and writes. hashlib releases the GIL on large buffers, so the work really overlaps. Two lanes
-(output bytes on one, source bytes on the other) so that both hashes of a piece run at once; a
-given hasher always stays on one lane, which keeps its updates in order.
+"""SHA-256 on the other core: a background thread hashes in FIFO order while the caller reads, repacks
+and writes. hashlib releases the GIL on large buffers, so the work really overlaps. Other background
+work on the same buffers (the GGUF writer's I/O thread) joins the same queue with `track`, so one
+`wait` says when a buffer may be reused.
 
-The lanes are shared by the process; the queue of updates to wait for is the calling thread's own,
-so conversions running in several threads of one process (a Dask worker with nthreads > 1) each
-wait for their own updates only."""
+The hashing thread is shared by the process; the queue of updates to wait for is the calling
+thread's own, so conversions running in several threads of one process (a Dask worker with
+nthreads > 1) each wait for their own updates only."""
 
 from __future__ import annotations
 
@@ -17,9 +17,8 @@ from typing import Any
 
 import numpy as np
 
-OUTPUT, SOURCE = 0, 1
-_lanes: list[ThreadPoolExecutor] = []
-_lanes_lock = threading.Lock()
+_lane: list[ThreadPoolExecutor] = []
+_lane_lock = threading.Lock()
 
 
 class _Queue(threading.local):
@@ -37,13 +36,21 @@ def as_bytes(data: Any) -> memoryview:
     return memoryview(data).cast("B")
 
 
-def update(h: Any, data: Any, lane: int = OUTPUT) -> None:
+def update(h: Any, data: Any) -> None:
     """h.update(data) in the background; the caller must not change `data` until a `wait` covers it."""
-    with _lanes_lock:
-        if not _lanes:
-            _lanes.extend(ThreadPoolExecutor(1, thread_name_prefix=f"k3lab-sha256-{i}") for i in range(2))
+    with _lane_lock:
+        if not _lane:
+            _lane.append(ThreadPoolExecutor(1, thread_name_prefix="k3lab-sha256"))
     q = _queue
-    q.pending.append((q.submitted, _lanes[lane].submit(h.update, as_bytes(data))))
+    q.pending.append((q.submitted, _lane[0].submit(h.update, as_bytes(data))))
+    q.submitted += 1
+
+
+def track(work: Future) -> None:
+    """Queue other background work that reads a caller's buffer (the writer's I/O thread), so that
+    `mark` and `wait` cover it in order with the hashes."""
+    q = _queue
+    q.pending.append((q.submitted, work))
     q.submitted += 1
 
 

@@ -7,26 +7,105 @@ On disk (see README, "On-disk state"):
   OUT/MANIFEST.json       all records merged, stable key order; rebuilt from the records
 
 A record:
-  {"format": "k3lab-manifest/1", "kind": "text", "file": NAME, "number": k, "split_count": n,
+  {"format": "k3lab-manifest/2", "kind": "text", "file": NAME, "number": k, "split_count": n,
    "split_tensors": tensors in the whole set,
    "basename": "Kimi-K3", "outtype": "auto", "size": bytes, "plan_digest": hex,
+   "source": {"file", "size", "data_bytes", "header_sha256" (, "etag": the Hub's SHA-256 of the file)},
    "data_start": offset of the first tensor, "header_sha256": hex (the bytes before data_start),
    "tensors": [{"name", "type", "ne", "nbytes", "offset", "sha256", "transform",
-                "sources": [{"name", "file", "sha256"}]}]}
-  offset is absolute in the file; sha256 is over the tensor's canonical GGML bytes.
+                "sources": [{"name", "file"}]}]}
+  offset is absolute in the file; sha256 is over the tensor's canonical GGML bytes. Source bytes
+  are not hashed while converting (it would cost a second SHA-256 pass over 1.4 TiB): `verify
+  --src` re-derives every tensor from the source and compares these hashes instead.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
-FORMAT = "k3lab-manifest/1"
+from k3lab.errors import K3LabError, MachineError
+
+FORMAT = "k3lab-manifest/2"
 RECORDS_DIR = ".k3lab"
 MANIFEST_NAME = "MANIFEST.json"
+
+
+class ManifestError(K3LabError):
+    """A manifest or record that is not what k3lab writes: one line, naming the file and field."""
+
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_RECORD_FIELDS: dict[str, Any] = {  # field -> check
+    "file": lambda v: isinstance(v, str) and v and "/" not in v and v not in (".", ".."),
+    "number": lambda v: _int(v) and v >= 0,
+    "size": lambda v: _int(v) and v >= 0,
+    "data_start": lambda v: _int(v) and v >= 0,
+    "header_sha256": lambda v: isinstance(v, str) and bool(_HEX64.fullmatch(v)),
+    "tensors": lambda v: isinstance(v, list),
+}
+_TEXT_FIELDS: dict[str, Any] = {
+    "split_count": lambda v: _int(v) and v >= 1,
+    "split_tensors": lambda v: _int(v) and v >= 0,
+    "plan_digest": lambda v: isinstance(v, str),
+    "basename": lambda v: isinstance(v, str),
+    "outtype": lambda v: isinstance(v, str),
+}
+_TENSOR_FIELDS: dict[str, Any] = {
+    "name": lambda v: isinstance(v, str) and v,
+    "type": lambda v: isinstance(v, str),
+    "ne": lambda v: isinstance(v, list) and all(_int(d) and d >= 0 for d in v),
+    "nbytes": lambda v: _int(v) and v >= 0,
+    "offset": lambda v: _int(v) and v >= 0,
+    "sha256": lambda v: isinstance(v, str) and bool(_HEX64.fullmatch(v)),
+    "sources": lambda v: isinstance(v, list),
+}
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_manifest(man: Any, path: str | Path) -> list[dict[str, Any]]:
+    """The records of a merged manifest, every field checked; a malformed one is one ManifestError."""
+    if not isinstance(man, dict) or not isinstance(man.get("files"), list):
+        raise ManifestError(f"{path}: not a k3lab manifest (no list of files)")
+    for i, rec in enumerate(man["files"]):
+        check_record(rec, f"{path}: files[{i}]")
+    return man["files"]
+
+
+def check_record(rec: Any, where: str) -> None:
+    if not isinstance(rec, dict) or rec.get("format") != FORMAT:
+        raise ManifestError(f"{where}: not a {FORMAT} record")
+    fields = {**_RECORD_FIELDS, **(_TEXT_FIELDS if rec.get("kind", "text") == "text" else {})}
+    for key, ok in fields.items():
+        if not ok(rec.get(key)):
+            raise ManifestError(
+                f"{where}: field {key!r} is missing or malformed ({json.dumps(rec.get(key))[:40]})"
+            )
+    end = rec["data_start"]
+    for j, t in enumerate(
+        sorted(rec["tensors"], key=lambda t: t.get("offset", -1) if isinstance(t, dict) else -1)
+    ):
+        if not isinstance(t, dict):
+            raise ManifestError(f"{where}: tensors[{j}] is not an object")
+        for key, ok in _TENSOR_FIELDS.items():
+            if not ok(t.get(key)):
+                raise ManifestError(
+                    f"{where} ({rec['file']}): tensor {t.get('name', j)!r}: field {key!r} is missing or malformed"
+                )
+        if t["offset"] < end or t["offset"] + t["nbytes"] > rec["size"]:
+            raise ManifestError(
+                f"{where} ({rec['file']}): tensor {t['name']}: bytes [{t['offset']}, {t['offset'] + t['nbytes']}) "
+                f"overlap another tensor or lie outside the data of a {rec['size']}-byte file"
+            )
+        end = t["offset"] + t["nbytes"]
 
 
 def record_path(out_dir: str | Path, number: int) -> Path:
@@ -45,9 +124,9 @@ def atomic_write_json(path: Path, data: Any, indent: int | None = 1) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
-        raise
+        raise _disk_full(e, path) from None
 
 
 def write_record(out_dir: str | Path, record: dict[str, Any]) -> Path:
@@ -114,7 +193,13 @@ def merge(out_dir: str | Path) -> Path:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
-        raise
+        raise _disk_full(e, path) from None
     return path
+
+
+def _disk_full(e: BaseException, path: Path) -> BaseException:
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return MachineError(f"{path}: no space left on the device; nothing was kept of it")
+    return e

@@ -16,9 +16,15 @@ Within one 32-value block with source bytes b[0..15] (b[m] holds elements 2m, 2m
 bytes are, for m in 0..7:
     t[2m]   = (b[m] & 0x0F) | (b[8+m] & 0x0F) << 4     elements 2m and 2m+16
     t[2m+1] = (b[m] >> 4)   | (b[8+m] & 0xF0)          elements 2m+1 and 2m+17
+
+The compiled kernel does all eight m at once: with L = b[0..7] and H = b[8..15] read as two
+little-endian 64-bit words, t[2m] is byte m of (L & 0x0F..0F) | (H & 0x0F..0F) << 4 and t[2m+1] is
+byte m of (L >> 4 & 0x0F..0F) | (H & 0xF0..F0).
 """
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 
@@ -80,17 +86,22 @@ if numba is not None:
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
     def _repack_kernel(src: np.ndarray, scale: np.ndarray, dst: np.ndarray) -> None:  # pragma: no cover
-        # src: flat uint8 (n_blocks*16); scale: flat (n_blocks); dst: flat (n_blocks*17)
+        # src: flat uint64 (n_blocks*2, little-endian: word 0 = bytes 0..7); scale: flat (n_blocks);
+        # dst: flat uint8 (n_blocks*17)
         n_blocks = scale.shape[0]
+        low = np.uint64(0x0F0F0F0F0F0F0F0F)
+        four = np.uint64(4)
         for blk in range(n_blocks):
-            s = blk * 16
+            lo = src[2 * blk]
+            hi = src[2 * blk + 1]
+            even = (lo & low) | ((hi & low) << four)  # byte m: elements 2m, 2m+16
+            odd = ((lo >> four) & low) | (hi & ~low)  # byte m: elements 2m+1, 2m+17
             d = blk * 17
             dst[d] = scale[blk]
             for m in range(8):
-                lo = src[s + m]
-                hi = src[s + 8 + m]
-                dst[d + 1 + 2 * m] = (lo & 0x0F) | ((hi & 0x0F) << 4)
-                dst[d + 2 + 2 * m] = (lo >> 4) | (hi & 0xF0)
+                shift = np.uint64(8 * m)
+                dst[d + 1 + 2 * m] = np.uint8((even >> shift) & np.uint64(0xFF))
+                dst[d + 2 + 2 * m] = np.uint8((odd >> shift) & np.uint64(0xFF))
 
 
 def repack_into(
@@ -105,8 +116,13 @@ def repack_into(
         raise MXFP4ShapeError(f"{what}: output buffer has {dst.size} bytes, MXFP4 needs {need}")
     src = np.ascontiguousarray(packed).reshape(-1)
     sc = np.ascontiguousarray(scale).reshape(-1)
-    if numba is not None and dst.flags.c_contiguous:
-        _repack_kernel(src, sc, dst)
+    if (
+        numba is not None
+        and dst.flags.c_contiguous
+        and src.ctypes.data % 8 == 0
+        and sys.byteorder == "little"
+    ):
+        _repack_kernel(src.view(np.uint64), sc, dst)
     else:
         _repack_numpy(src.reshape(rows, cols // 2), sc.reshape(rows, cols // QK), dst)
 

@@ -191,18 +191,6 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorEntry], dict[s
     return parse_header(raw, str(path), size)
 
 
-def pread_into(fd: int, offset: int, out: np.ndarray, what: str) -> None:
-    """Fill ``out`` (C-contiguous) with the file's bytes at ``offset``: plain reads, no mapping, so
-    the bytes count once in the process (a memory map of a 2 GB tensor counts 2 GB towards RSS)."""
-    view = memoryview(out).cast("B")
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise SafetensorsError(f"{what}: file ends {len(view) - done} bytes early (truncated?)")
-        done += n
-
-
 def read_tensor(entry: TensorEntry) -> np.ndarray:
     """A tensor's bytes as a read-only memory map with its numpy holding dtype and shape."""
     if entry.nbytes == 0:

@@ -8,6 +8,7 @@ published 0.40B test model lacks ``gate_lower_bound`` and ``quantization_config`
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,41 +20,170 @@ class ConfigError(K3LabError):
     """config.json is missing a key or holds a value k3lab cannot convert."""
 
 
-TEXT_REQUIRED = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "vocab_size",
-    "max_position_embeddings",
-    "rms_norm_eps",
-    "hidden_act",
-    "activation_situ_beta",
-    "activation_situ_linear_beta",
-    "attn_res_block_size",
-    "kv_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
-    "first_k_dense_replace",
-    "moe_intermediate_size",
-    "num_experts",
-    "num_experts_per_token",
-    "num_shared_experts",
-    "moe_renormalize",
-    "moe_router_activation_func",
-    "routed_scaling_factor",
-    "linear_attn_config",
+# what each key must be: every one is checked before anything is written
+POS_INT, NONNEG_INT, POS_FLOAT, FLOAT, BOOL, STR, OBJ, INT_LIST = (
+    "a positive integer",
+    "an integer >= 0",
+    "a positive number",
+    "a number",
+    "true or false",
+    "a string",
+    "an object",
+    "a list of integers",
 )
-LINEAR_ATTN_REQUIRED = ("full_attn_layers", "head_dim", "num_heads", "short_conv_kernel_size")
+TEXT_REQUIRED: dict[str, str] = {
+    "hidden_size": POS_INT,
+    "intermediate_size": POS_INT,
+    "num_hidden_layers": POS_INT,
+    "num_attention_heads": POS_INT,
+    "num_key_value_heads": POS_INT,
+    "vocab_size": POS_INT,
+    "max_position_embeddings": POS_INT,
+    "rms_norm_eps": POS_FLOAT,
+    "hidden_act": STR,
+    "activation_situ_beta": POS_FLOAT,
+    "activation_situ_linear_beta": POS_FLOAT,
+    "attn_res_block_size": NONNEG_INT,
+    "kv_lora_rank": POS_INT,
+    "qk_nope_head_dim": POS_INT,
+    "qk_rope_head_dim": NONNEG_INT,
+    "v_head_dim": POS_INT,
+    "first_k_dense_replace": NONNEG_INT,
+    "moe_intermediate_size": POS_INT,
+    "num_experts": POS_INT,
+    "num_experts_per_token": POS_INT,
+    "num_shared_experts": NONNEG_INT,
+    "moe_renormalize": BOOL,
+    "moe_router_activation_func": STR,
+    "routed_scaling_factor": POS_FLOAT,
+    "linear_attn_config": OBJ,
+}
+TEXT_OPTIONAL: dict[str, str] = {
+    "q_lora_rank": POS_INT,
+    "routed_expert_hidden_size": POS_INT,
+    "mla_use_nope": BOOL,
+    "rope_theta": POS_FLOAT,
+    "quantization_config": OBJ,
+}
+LINEAR_ATTN_REQUIRED: dict[str, str] = {
+    "full_attn_layers": INT_LIST,
+    "head_dim": POS_INT,
+    "num_heads": POS_INT,
+    "short_conv_kernel_size": POS_INT,
+}
+LINEAR_ATTN_OPTIONAL: dict[str, str] = {"gate_lower_bound": FLOAT, "kda_layers": INT_LIST}
+TOP_OPTIONAL: dict[str, str] = {
+    "bos_token_id": NONNEG_INT,
+    "eos_token_id": NONNEG_INT,
+    "pad_token_id": NONNEG_INT,
+    "vision_config": OBJ,
+    "quantization_config": OBJ,
+}
+VISION_REQUIRED: dict[str, str] = {
+    "vt_num_hidden_layers": POS_INT,
+    "vt_hidden_size": POS_INT,
+    "vt_intermediate_size": POS_INT,
+    "vt_num_attention_heads": POS_INT,
+    "qkv_hidden_size": POS_INT,
+    "patch_size": POS_INT,
+    "init_pos_emb_height": POS_INT,
+    "init_pos_emb_width": POS_INT,
+    "init_pos_emb_time": POS_INT,
+    "merge_kernel_size": INT_LIST,
+    "merge_type": STR,
+    "mm_projector_type": STR,
+    "norm_type": STR,
+    "mm_hidden_size": POS_INT,
+}
+VISION_OPTIONAL: dict[str, str] = {
+    "text_hidden_size": POS_INT,
+    "projector_ln_eps": POS_FLOAT,
+    "projector_hidden_act": STR,
+}
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 
 
-def _need(d: dict[str, Any], key: str, where: str, path: str) -> Any:
-    if key not in d:
-        raise ConfigError(f"{path}: {where} lacks required key '{key}'")
-    return d[key]
+def _is(kind: str, v: Any) -> bool:
+    """JSON types as k3lab needs them (a bool is not a number here, a string never is)."""
+    is_int = isinstance(v, int) and not isinstance(v, bool)
+    is_num = is_int or (isinstance(v, float) and math.isfinite(v))
+    return {
+        POS_INT: is_int and v > 0,
+        NONNEG_INT: is_int and v >= 0,
+        POS_FLOAT: is_num and v > 0,
+        FLOAT: is_num,
+        BOOL: isinstance(v, bool),
+        STR: isinstance(v, str),
+        OBJ: isinstance(v, dict),
+        INT_LIST: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+    }[kind]
+
+
+def _check(d: dict[str, Any], schema: dict[str, str], where: str, path: str, required: bool) -> None:
+    for key, kind in schema.items():
+        if key not in d or (not required and d[key] is None):
+            if required:
+                raise ConfigError(f"{path}: {where} lacks required key '{key}'")
+            continue
+        if not _is(kind, d[key]):
+            shown = json.dumps(d[key])[:60]
+            raise ConfigError(f"{path}: {where}{'.' if where else ''}{key} is {shown}; expected {kind}")
+
+
+def _check_quantization(q: dict[str, Any], where: str, path: str) -> None:
+    """compressed-tensors mxfp4-pack-quantized, 4-bit float groups of 32: what the repack assumes."""
+    method, fmt = q.get("quant_method"), q.get("format")
+    if method != "compressed-tensors" or fmt != MXFP4_FORMAT:
+        raise ConfigError(
+            f"{path}: {where} is {method}/{fmt}; k3lab converts compressed-tensors/{MXFP4_FORMAT} only"
+        )
+    groups = q.get("config_groups")
+    if groups is None:
+        return
+    if not isinstance(groups, dict):
+        raise ConfigError(f"{path}: {where}.config_groups is not an object")
+    for name, group in groups.items():
+        w = group.get("weights") if isinstance(group, dict) else None
+        if not isinstance(w, dict):
+            raise ConfigError(f"{path}: {where}.config_groups.{name}.weights is missing or not an object")
+        for key, want in (("num_bits", 4), ("type", "float"), ("group_size", 32)):
+            if key in w and w[key] != want:
+                raise ConfigError(
+                    f"{path}: {where}.config_groups.{name}.weights.{key} is {w[key]!r}; MXFP4 needs {want!r}"
+                )
+
+
+def _check_consistency(t: dict[str, Any], lac: dict[str, Any], path: str) -> None:
+    n = t["num_hidden_layers"]
+    if t["num_experts_per_token"] > t["num_experts"]:
+        raise ConfigError(
+            f"{path}: text_config.num_experts_per_token {t['num_experts_per_token']} exceeds "
+            f"num_experts {t['num_experts']}"
+        )
+    if t["first_k_dense_replace"] > n:
+        raise ConfigError(
+            f"{path}: text_config.first_k_dense_replace {t['first_k_dense_replace']} exceeds "
+            f"num_hidden_layers {n}"
+        )
+    if t["num_attention_heads"] % t["num_key_value_heads"]:
+        raise ConfigError(
+            f"{path}: text_config.num_attention_heads {t['num_attention_heads']} is not a multiple of "
+            f"num_key_value_heads {t['num_key_value_heads']}"
+        )
+    full = lac["full_attn_layers"]
+    bad = [x for x in full if not 1 <= x <= n]
+    if bad:
+        raise ConfigError(f"{path}: linear_attn_config.full_attn_layers has {bad[0]} outside 1..{n}")
+    if len(set(full)) != len(full):
+        raise ConfigError(f"{path}: linear_attn_config.full_attn_layers lists a layer twice")
+    kda = lac.get("kda_layers")
+    split = kda is None or (
+        not set(kda) & set(full) and sorted(set(kda) | set(full)) == list(range(1, n + 1))
+    )
+    if not split:
+        raise ConfigError(
+            f"{path}: linear_attn_config.kda_layers and full_attn_layers must split layers 1..{n} between them"
+        )
 
 
 @dataclass(frozen=True)
@@ -69,19 +199,20 @@ class K3Config:
     # --- construction ---
     @classmethod
     def from_dict(cls, raw: dict[str, Any], path: str = "config.json") -> K3Config:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: not a JSON object")
         text = raw.get("text_config", raw)
         if not isinstance(text, dict):
             raise ConfigError(f"{path}: text_config is not an object")
-        for key in TEXT_REQUIRED:
-            _need(text, key, "text_config", path)
+        _check(raw, TOP_OPTIONAL, "", path, required=False)
+        _check(text, TEXT_REQUIRED, "text_config", path, required=True)
+        _check(text, TEXT_OPTIONAL, "text_config", path, required=False)
         lac = text["linear_attn_config"]
-        for key in LINEAR_ATTN_REQUIRED:
-            _need(lac, key, "text_config.linear_attn_config", path)
-        n = int(text["num_hidden_layers"])
-        full = [int(x) for x in lac["full_attn_layers"]]
-        bad = [x for x in full if not 1 <= x <= n]
-        if bad:
-            raise ConfigError(f"{path}: linear_attn_config.full_attn_layers has {bad[0]} outside 1..{n}")
+        _check(lac, LINEAR_ATTN_REQUIRED, "text_config.linear_attn_config", path, required=True)
+        _check(lac, LINEAR_ATTN_OPTIONAL, "text_config.linear_attn_config", path, required=False)
+        _check_consistency(text, lac, path)
+        n = text["num_hidden_layers"]
+        full = lac["full_attn_layers"]
         if text["hidden_act"] != "situ":
             raise ConfigError(f"{path}: hidden_act is {text['hidden_act']!r}; Kimi-K3 uses 'situ'")
         if text["moe_router_activation_func"] != "sigmoid":
@@ -90,14 +221,10 @@ class K3Config:
             )
         if text.get("mla_use_nope") is False:
             raise ConfigError(f"{path}: mla_use_nope is false; Kimi-K3's MLA is NoPE")
-        q = text.get("quantization_config")
-        if q is not None and not (
-            q.get("quant_method") == "compressed-tensors" and q.get("format") == MXFP4_FORMAT
-        ):
-            raise ConfigError(
-                f"{path}: quantization_config {q.get('quant_method')}/{q.get('format')} is not "
-                f"compressed-tensors/{MXFP4_FORMAT}"
-            )
+        if text.get("quantization_config") is not None:
+            _check_quantization(text["quantization_config"], "text_config.quantization_config", path)
+        if raw is not text and raw.get("quantization_config") is not None:
+            _check_quantization(raw["quantization_config"], "quantization_config", path)
         mla = tuple(i for i in range(n) if i + 1 in full)
         kda = tuple(i for i in range(n) if i + 1 not in full)
         return cls(
@@ -109,6 +236,15 @@ class K3Config:
             kda_layers=kda,
         )
 
+    def check_vision(self) -> None:
+        """The vision_config keys the mmproj conversion reads (checked when it runs)."""
+        if not self.vision:
+            raise ConfigError(f"{self.path}: no vision_config")
+        _check(self.vision, VISION_REQUIRED, "vision_config", self.path, required=True)
+        _check(self.vision, VISION_OPTIONAL, "vision_config", self.path, required=False)
+        if len(self.vision["merge_kernel_size"]) != 2:
+            raise ConfigError(f"{self.path}: vision_config.merge_kernel_size needs 2 entries")
+
     @classmethod
     def load(cls, meta_dir: str | Path) -> K3Config:
         path = Path(meta_dir) / "config.json"
@@ -116,8 +252,10 @@ class K3Config:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"{path}: not found") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise ConfigError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
+        except IsADirectoryError:
+            raise ConfigError(f"{path}: is a directory, not a file") from None
         return cls.from_dict(raw, str(path))
 
     # --- plain facts ---

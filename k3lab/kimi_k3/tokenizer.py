@@ -56,6 +56,8 @@ def read_tiktoken(path: str | Path) -> list[bytes]:
         data = path.read_bytes()
     except FileNotFoundError:
         raise TokenizerError(f"{path}: not found") from None
+    except IsADirectoryError:
+        raise TokenizerError(f"{path}: is a directory, not a file") from None
     tokens = _read_tiktoken_fast(data)
     if tokens is None:  # something is off: the line-by-line reader names the line
         tokens = _read_tiktoken_checked(path, data.splitlines())
@@ -130,6 +132,14 @@ def read_chat_template(path: str | Path) -> str:
     return text
 
 
+def source_chat_template(meta_dir: Path, tok_cfg: dict) -> str | None:
+    """The checkpoint's own chat template: ``tokenizer_config.json``'s, else ``chat_template.jinja``."""
+    if tok_cfg.get("chat_template"):
+        return tok_cfg["chat_template"]
+    path = meta_dir / "chat_template.jinja"
+    return read_chat_template(path) if path.is_file() else None
+
+
 def read_specials(path: str | Path) -> tuple[dict[int, str], dict]:
     """The special tokens of ``tokenizer_config.json`` (``added_tokens_decoder``) and the whole config."""
     path = Path(path)
@@ -137,15 +147,28 @@ def read_specials(path: str | Path) -> tuple[dict[int, str], dict]:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise TokenizerError(f"{path}: not found") from None
-    except json.JSONDecodeError as e:
-        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise TokenizerError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(cfg, dict):
+        raise TokenizerError(f"{path}: not a JSON object")
     decoder = cfg.get("added_tokens_decoder") or {}
-    try:
-        return {int(i): d["content"] for i, d in decoder.items()}, cfg
-    except (KeyError, TypeError, ValueError):
-        raise TokenizerError(
-            f"{path}: added_tokens_decoder entries need an integer id and a 'content'"
-        ) from None
+    if not isinstance(decoder, dict):
+        raise TokenizerError(f"{path}: added_tokens_decoder is not an object of id -> token")
+    specials: dict[int, str] = {}
+    for key, d in decoder.items():
+        try:
+            i = int(key)
+        except ValueError:
+            raise TokenizerError(f"{path}: added_tokens_decoder key {key!r} is not an integer id") from None
+        if i < 0 or not isinstance(d, dict) or not isinstance(d.get("content"), str):
+            raise TokenizerError(
+                f"{path}: added_tokens_decoder[{key!r}] needs an id >= 0 and a string 'content'"
+            )
+        specials[i] = d["content"]
+    template = cfg.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise TokenizerError(f"{path}: chat_template is not a string")
+    return specials, cfg
 
 
 # --- byte-level unicode (GPT-2): every byte gets a printable character ---------------------------
@@ -266,7 +289,7 @@ def build_vocabulary(meta_dir: str | Path, cfg: K3Config | None = None) -> Vocab
         eos_id=pick("eos_token_id", "eos_token"),  # K3: <|end_of_msg|>, the end of a turn
         pad_id=pick("pad_token_id", "pad_token"),
         unk_id=special_id("unk_token"),
-        chat_template=tok_cfg.get("chat_template") if isinstance(tok_cfg.get("chat_template"), str) else None,
+        chat_template=source_chat_template(meta_dir, tok_cfg),
         specials=specials,
     )
 

@@ -14,7 +14,7 @@ writer bounded pieces, and so how much memory it holds at once (the planner's fo
   whole   all sources read whole, the function applied once           (the small value transforms)
 
 A stream reads through ``read(name, row_start, row_stop)`` and never sees a file: the pipeline's
-reader decides where bytes come from (and hashes them as they pass).
+reader decides where bytes come from (mapped pages of the shard, dropped with the piece).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from gguf import GGMLQuantizationType
 
 from k3lab.errors import K3LabError
 from k3lab.formats import mxfp4
+from k3lab.formats.gguf_stream import PIECES_IN_FLIGHT
 from k3lab.formats.numerics import SIZE, cast, cast_bytes, to_float32
 from k3lab.kimi_k3.config import K3Config
 
@@ -40,8 +41,9 @@ Shape = tuple[int, ...]
 
 
 COPY_CHUNK = 32 * 1024 * 1024  # bytes of rows per piece when copying or casting
-READ_RING = 3  # read buffers in turn: hashing may still read the last two while the next is filled
-PIECES_RING = 2  # output buffers the mxfp4 stream rotates (the writer may hash one while it fills one)
+# source pieces alive at once: the one a stream works on, and those the writer still hashes and writes
+MAPPED_PIECES = PIECES_IN_FLIGHT + 1
+PIECES_RING = PIECES_IN_FLIGHT + 1  # output buffers the mxfp4 stream rotates (see GGUFStream.write)
 
 
 class SourceTensor(Protocol):
@@ -76,7 +78,7 @@ class TensorJob:
         return self.transform.stream.pieces(self)
 
     def memory(self) -> tuple[int, int]:
-        """(largest single read, bytes allocated besides the read buffers) at any moment."""
+        """(largest single read, bytes allocated besides the source pieces) at any moment."""
         return self.transform.stream.memory(self)
 
 
@@ -139,7 +141,7 @@ def _mxfp4_memory(job: TensorJob) -> tuple[int, int]:
 
 def _whole_pieces(job: TensorJob) -> Iterator[np.ndarray]:
     assert job.read is not None
-    arrays = [job.read(s.name, own=True) for s in job.sources]
+    arrays = [job.read(s.name) for s in job.sources]
     t = job.transform
     if t.on_values:
         out = t.fn(*(to_float32(a, s.dtype) for a, s in zip(arrays, job.sources)), cfg=job.cfg)
@@ -183,13 +185,13 @@ class Transform:
 
 
 def job_memory(jobs: Sequence[Any]) -> int:
-    """Bytes a conversion holds at once for a file of these tensor jobs: the read ring sized by the
-    largest read, plus the largest transient allocation."""
+    """Bytes a conversion holds at once for a file of these tensor jobs: the source pieces alive at
+    once (sized by the largest read), the largest transient allocation, and compiled code."""
     if not jobs:
         return 0
     reads, transient = zip(*(j.memory() for j in jobs))
     fixed = max(j.transform.stream.fixed for j in jobs)
-    return fixed + READ_RING * max(reads) + max(transient)
+    return fixed + MAPPED_PIECES * max(reads) + max(transient)
 
 
 def copy(x: np.ndarray, cfg: K3Config | None = None) -> np.ndarray:

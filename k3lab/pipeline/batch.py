@@ -119,7 +119,10 @@ def run_batch(
     workers: int = 2,
     run_id: str | None = None,
     runs_dir: str | Path = "papermill_runs",
+    run_token: str | None = None,
 ) -> tuple[Path, list[ShardRun]]:
+    """Run ``notebook`` once per shard. ``run_token`` is the token of the run holding ``out_dir``'s
+    lock (the notebooks convert into it as part of that run)."""
     if not Path(notebook).is_file():
         raise K3LabError(f"{notebook}: notebook not found (the repository's are in notebooks/)")
     run_id = run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
@@ -134,6 +137,7 @@ def run_batch(
                 "src": str(Path(src).resolve()),
                 "out_dir": str(Path(out_dir).resolve()),
                 "shard": k,
+                **({"run_token": run_token} if run_token else {}),
             },
         )
         for k in shards

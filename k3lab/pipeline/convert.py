@@ -2,10 +2,10 @@
 
 For output file k of a plan: acquire its source shard, check the shard's header is the one the
 plan was made from, write the GGUF header and tensor infos, then for each planned tensor let its
-transform's stream read the source in bounded pieces (``Reader``: plain reads into a ring of
-buffers, hashed as they pass) and stream the output bytes to ``NAME.partial``, hashing them as
-they go; fsync, rename, record the hashes (``formats.manifest``), release the shard. Memory is
-bounded by what the streams hold at once, which the plan forecasts per file.
+transform's stream read the source in bounded pieces (``Reader``: mapped pages, no copy) and
+stream the output bytes to ``NAME.partial``, hashed and written on background threads; fsync,
+rename, record the hashes (``formats.manifest``), release the shard. Memory is bounded by what the
+streams hold at once, which the plan forecasts per file.
 """
 
 from __future__ import annotations
@@ -20,12 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from k3lab.formats import hashing
 from k3lab.formats.gguf_stream import KV, GGUFStream, split_kvs
 from k3lab.formats.manifest import FORMAT, header_sha256, is_complete, write_record
 from k3lab.formats.safetensors import NUMPY_DTYPE, TensorEntry
 from k3lab.kimi_k3.keys import ARCH
-from k3lab.kimi_k3.transforms import READ_RING
 from k3lab.pipeline.plan import Plan, PlanError, PlannedTensor, load_kvs
 from k3lab.pipeline.sources import Source
 
@@ -33,47 +31,24 @@ Progress = Callable[[int], None]
 
 
 class Reader:
-    """Source tensors by name, read in bounded pieces into a ring of buffers. Each piece's bytes are
-    fed to that tensor's SHA-256 (on the hashing lane) and reported to ``progress``; a buffer is
-    reused only once the hashing of its last piece is done."""
+    """Source tensors by name, in bounded pieces: each a read-only view of the shard's mapped pages
+    (no copy; the mapping goes when the piece's last user drops it: the stream, or the writer once it
+    has hashed and written it), reported to ``progress``."""
 
     def __init__(self, source: Source, entries: dict[str, TensorEntry], progress: Progress | None = None):
         self.source, self.entries, self.progress = source, entries, progress
-        self._ring: list[np.ndarray | None] = [None] * READ_RING
-        self._marks = [0] * READ_RING
-        self._turn = 0
-        self._hashes: dict[str, Any] = {}
 
-    def __call__(
-        self, name: str, row_start: int = 0, row_stop: int | None = None, own: bool = False
-    ) -> np.ndarray:
+    def __call__(self, name: str, row_start: int = 0, row_stop: int | None = None) -> np.ndarray:
         e = self.entries[name]
         rows = e.shape[0] if e.shape else 1
         stop = rows if row_stop is None else row_stop
         row_bytes = e.nbytes // rows if rows else 0
         n = (stop - row_start) * row_bytes
-        if own:
-            buf = np.empty(n, dtype=np.uint8)
-        else:
-            k = self._turn % READ_RING
-            self._turn += 1
-            hashing.wait(upto=self._marks[k])
-            ring = self._ring[k]
-            if ring is None or ring.size < n:
-                ring = self._ring[k] = np.empty(n, dtype=np.uint8)
-            buf = ring[:n]
-        self.source.read_into(e, row_start * row_bytes, buf)
-        hashing.update(self._hashes.setdefault(name, hashing.sha256()), buf, hashing.SOURCE)
-        if not own:
-            self._marks[k] = hashing.mark()
+        buf = self.source.map(e, row_start * row_bytes, n)
         if self.progress:
             self.progress(n)
         shape = (stop - row_start, *e.shape[1:]) if e.shape else ()
         return buf.view(NUMPY_DTYPE[e.dtype]).reshape(shape)
-
-    def source_sha256(self, name: str) -> str:
-        hashing.wait()
-        return self._hashes.setdefault(name, hashing.sha256()).hexdigest()
 
 
 def tensor_pieces(pt: PlannedTensor, reader: Reader) -> Iterator[np.ndarray]:
@@ -105,10 +80,7 @@ def write_tensors(
                     "offset": offset,
                     "sha256": sha,
                     "transform": pt.transform,
-                    "sources": [
-                        {"name": n, "file": source_files[n], "sha256": reader.source_sha256(n)}
-                        for n in pt.sources
-                    ],
+                    "sources": [{"name": n, "file": source_files[n]} for n in pt.sources],
                 }
             )
     return records, g.data_start
@@ -186,6 +158,7 @@ def convert_file(
             "split_tensors": plan.n_tensors,
             "size": path.stat().st_size,
             "plan_digest": pf.digest,
+            "source": {"file": pf.source_file, **pf.shard},
             "data_start": data_start,
             "header_sha256": header_sha256(path, data_start),
             "tensors": records,

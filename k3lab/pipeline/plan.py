@@ -443,10 +443,10 @@ def ensure_plan(
     outtype: str = "auto",
     basename: str = "Kimi-K3",
     chat_template: str | None = None,
-) -> tuple[Plan, bool]:
+) -> tuple[Plan, list[KV] | None]:
     """The plan for converting ``source`` into ``out_dir``: the saved one when its inputs are
-    unchanged (cheap: hashes of the metadata files and shard headers), else a new one, saved.
-    Returns (plan, whether it was made now)."""
+    unchanged (cheap: hashes of the metadata files and shard headers), else a new one, with the KVs
+    to save beside it. Nothing is written here: every check runs before a run writes anything."""
     options = {"outtype": outtype, "basename": basename, "chat_template": chat_template}
     try:
         saved = load_plan(out_dir)
@@ -459,14 +459,12 @@ def ensure_plan(
         except K3LabError:
             inputs = None  # a shard went missing: planning again says which
         if inputs is not None and _digest(inputs) == saved.inputs_digest:
-            return saved, False
+            return saved, None
     cfg = K3Config.load(source.meta_dir)
     plan = build_plan(cfg, source, outtype, basename, chat_template)
     plan.inputs = inputs_fingerprint(source, [f.source_file for f in plan.files], options)
     plan.inputs_digest = _digest(plan.inputs)
-    kvs = plan_kvs(plan, source.meta_dir, chat_template)
-    save_plan(out_dir, plan, kvs)
-    return plan, True
+    return plan, plan_kvs(plan, source.meta_dir, chat_template)
 
 
 # --- memory ------------------------------------------------------------------------------------------

@@ -10,12 +10,15 @@ Hub, whence it downloads its shard into scratch, converts it and deletes it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import signal
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +29,8 @@ from tqdm import tqdm
 from k3lab.errors import K3LabError
 from k3lab.formats.manifest import is_complete, merge
 from k3lab.pipeline.convert import FileResult, convert_file
-from k3lab.pipeline.plan import Plan, PlanError, ensure_plan, load_plan
+from k3lab.pipeline.lock import hold_folder, remove_partials
+from k3lab.pipeline.plan import Plan, PlanError, ensure_plan, load_plan, save_plan
 from k3lab.pipeline.sources import SourceSpec
 
 
@@ -93,17 +97,38 @@ def run_task(task: Task, number: int, next_number: int | None = None) -> FileRes
     return convert_file(plan, number, source, task.out_dir, task.force, progress if q is not None else None)
 
 
+class Stopped(BaseException):
+    """SIGTERM (or the run's end) reached a process mid-conversion: unwind, removing .partial files."""
+
+
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM into ``Stopped`` in the main thread, so that cleanup runs (a plain SIGTERM
+    would end the process with its .partial files left)."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Stopped(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def _init_worker(progress_queue: Any, parent: int) -> None:
-    """In each local worker process: report progress to the parent, and die with it."""
+    """In each local worker process: report progress to the parent, and die with it. Ctrl-C reaches
+    the whole process group; the parent alone decides to stop, so workers ignore SIGINT."""
     global _progress_queue
     _progress_queue = progress_queue
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stop_on_sigterm()
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="k3lab-parent-watch").start()
 
 
 def _watch_parent(parent: int) -> None:
+    """The run that started this worker is gone (even by kill -9): stop as SIGTERM would, cleaning
+    up; if that takes too long, exit anyway."""
     while os.getppid() == parent:
-        time.sleep(0.2)
-    os._exit(70)  # the run that started this worker is gone: stop, whatever this worker was doing
+        time.sleep(0.1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(1.0)
+    os._exit(70)
 
 
 @dataclass(frozen=True)
@@ -114,31 +139,59 @@ class RunOptions:
     force: bool = False
 
 
-def prepare(spec: SourceSpec, out_dir: str | Path, options: RunOptions = RunOptions()) -> Plan:
-    """The plan for this output folder: loaded when its inputs are unchanged, else made and saved."""
+def prepare(
+    spec: SourceSpec, out_dir: str | Path, options: RunOptions = RunOptions()
+) -> tuple[Plan, list | None]:
+    """The plan for this output folder, every input checked: the saved one when its inputs are
+    unchanged, else a new one with the KVs to save. Writes nothing into ``out_dir``."""
     source = spec.open()
     if spec.is_hub:
         source.fetch_meta()  # type: ignore[attr-defined]
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    plan, _ = ensure_plan(out_dir, source, options.outtype, options.basename, options.chat_template)
-    return plan
+    return ensure_plan(out_dir, source, options.outtype, options.basename, options.chat_template)
+
+
+@contextlib.contextmanager
+def start_run(
+    spec: SourceSpec, out_dir: str | Path, options: RunOptions = RunOptions(), run_token: str | None = None
+) -> Iterator[tuple[Plan, str]]:
+    """Plan (failing before anything is written), then hold the folder for the block: lock, save a
+    new plan, remove what a killed run left. With ``run_token``, join the run holding the lock."""
+    plan, kvs = prepare(spec, out_dir, options)
+    with hold_folder(out_dir, run_token) as token:
+        if kvs is not None:
+            save_plan(out_dir, plan, kvs)
+        if run_token is None:
+            remove_partials(out_dir)
+        yield plan, token
 
 
 def convert_shards(
     spec: SourceSpec,
     out_dir: str | Path,
-    numbers: list[int] | None = None,
+    shards: list[int] | str | None = None,
     jobs: int = 1,
     quiet: bool = False,
     scheduler: str | None = None,
     options: RunOptions = RunOptions(),
-    plan: Plan | None = None,
+    run_token: str | None = None,
 ) -> list[FileResult]:
-    """Convert the given output files (default: all), in this process, ``jobs`` at a time, or one
-    Dask task each on the cluster at ``scheduler``; merge the manifest."""
-    out_dir = str(out_dir)
-    plan = plan or prepare(spec, out_dir, options)
-    numbers = numbers or list(range(1, len(plan.files) + 1))
+    """Convert the given output files (a list, a ``--shards`` string, or None: all), in this process,
+    ``jobs`` at a time, or one Dask task each on the cluster at ``scheduler``; merge the manifest."""
+    with start_run(spec, out_dir, options, run_token) as (plan, token):
+        numbers = shards if isinstance(shards, list) else parse_shards(shards, len(plan.files))
+        return _convert_planned(plan, spec, str(out_dir), numbers, jobs, quiet, scheduler, options)
+
+
+def _convert_planned(
+    plan: Plan,
+    spec: SourceSpec,
+    out_dir: str,
+    numbers: list[int],
+    jobs: int,
+    quiet: bool,
+    scheduler: str | None,
+    options: RunOptions,
+) -> list[FileResult]:
     task = Task(out_dir, spec, plan.inputs_digest, options.force)
     results: list[FileResult] = []
     todo = []
@@ -170,7 +223,7 @@ def convert_shards(
                     results.append(r)
                     overall.update(plan.file(r.number).source_bytes)
         elif jobs <= 1:
-            _run_here(task, todo, plan, overall, results, errors)
+            _run_here(task, todo, overall, results, errors)
         else:
             _run_pool(task, todo, jobs, overall, results, errors)
     finally:
@@ -183,9 +236,7 @@ def convert_shards(
     return sorted(results, key=lambda r: r.number)
 
 
-def _run_here(
-    task: Task, todo: list[int], plan: Plan, overall: Any, results: list[FileResult], errors: list
-) -> None:
+def _run_here(task: Task, todo: list[int], overall: Any, results: list[FileResult], errors: list) -> None:
     global _progress_queue
     q: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
     _progress_queue = q
@@ -207,6 +258,7 @@ def _run_pool(task: Task, todo: list[int], jobs: int, overall: Any, results: lis
     pool = ProcessPoolExecutor(
         max_workers=min(jobs, len(todo)), mp_context=ctx, initializer=_init_worker, initargs=(q, os.getpid())
     )
+    stopping = False
     try:
         pending = {pool.submit(run_task, task, k) for k in todo}
         while pending:
@@ -219,10 +271,29 @@ def _run_pool(task: Task, todo: list[int], jobs: int, overall: Any, results: lis
                     errors.append(e)
             time.sleep(0.05)
         _drain(q, overall)
+    except BaseException:  # Ctrl-C, SIGTERM: stop the workers now, not after their remaining shards
+        stopping = True
+        raise
     finally:
+        if stopping:
+            _stop_workers(pool)
         pool.shutdown(wait=True, cancel_futures=True)
         q.close()
         q.join_thread()
+
+
+def _stop_workers(pool: ProcessPoolExecutor, grace: float = 1.5) -> None:
+    """SIGTERM each worker (it unwinds and removes its .partial), then SIGKILL what is left."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(1)
 
 
 def _drain(q: Any, overall: Any) -> None:

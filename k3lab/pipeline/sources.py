@@ -2,7 +2,7 @@
 
 The planner asks a source for the index and every shard's header; a conversion task asks it for
 one shard: ``acquire(file)`` (local: nothing; Hub: download into scratch, resuming), bounded
-``read_into`` calls for that shard's bytes, then ``release(file)`` (Hub: delete it). ``prefetch``
+``map`` calls for that shard's bytes, then ``release(file)`` (Hub: delete it). ``prefetch``
 hints the next file (Hub: its download starts while this one converts; at most one ahead).
 
 A ``SourceSpec`` is the picklable recipe for a source: every worker (a ``--jobs`` process, a Dask
@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import mmap
 import os
 import threading
 from dataclasses import dataclass, field
@@ -30,7 +31,6 @@ from k3lab.errors import K3LabError
 from k3lab.formats.safetensors import (
     TensorEntry,
     parse_header,
-    pread_into,
     read_raw_header,
     read_tensor,
 )
@@ -219,19 +219,37 @@ class Source:
         if fd is not None:
             os.close(fd)
 
-    def read_into(self, entry: TensorEntry, offset: int, out: np.ndarray) -> None:
-        """``out.nbytes`` bytes of a tensor from byte ``offset`` of its data, into ``out``."""
-        if offset + out.nbytes > entry.nbytes:
+    def map(self, entry: TensorEntry, offset: int, nbytes: int) -> np.ndarray:
+        """``nbytes`` of a tensor from byte ``offset`` of its data, as a read-only view of the file's
+        pages (no copy). The mapping lives as long as the array: map bounded pieces and drop them, and
+        RSS stays bounded (mapped pages count towards it)."""
+        if offset + nbytes > entry.nbytes:
             raise SourceError(f"{entry.file}: tensor {entry.name}: read past its {entry.nbytes} bytes")
+        if nbytes == 0:
+            return np.empty(0, dtype=np.uint8)
+        fd = self._fd(entry.file)
+        start = entry.start + offset
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        try:
+            m = mmap.mmap(fd, start + nbytes - base, prot=mmap.PROT_READ, offset=base)
+        except (OSError, ValueError) as e:
+            raise SourceError(
+                f"{entry.file}: tensor {entry.name}: cannot map bytes {start}+{nbytes} ({e})"
+            ) from None
+        if hasattr(m, "madvise"):
+            m.madvise(mmap.MADV_SEQUENTIAL)
+        return np.frombuffer(m, dtype=np.uint8, count=nbytes, offset=start - base)
+
+    def _fd(self, file: str) -> int:
         with self._lock:
-            fd = self._fds.get(entry.file)
+            fd = self._fds.get(file)
             if fd is None:
                 try:
-                    fd = os.open(entry.file, os.O_RDONLY)
+                    fd = os.open(file, os.O_RDONLY)
                 except FileNotFoundError:
-                    raise SourceError(f"{entry.file}: not found (was it acquired?)") from None
-                self._fds[entry.file] = fd
-        pread_into(fd, entry.start + offset, out, f"{entry.file}: tensor {entry.name}")
+                    raise SourceError(f"{file}: not found (was it acquired?)") from None
+                self._fds[file] = fd
+        return fd
 
     def array(self, name: str) -> np.ndarray:
         """A whole tensor as a read-only memory map (the reference and the notebooks; never the converter)."""

@@ -20,8 +20,7 @@ import gguf
 import numpy as np
 from tqdm import tqdm
 
-from k3lab.errors import K3LabError
-from k3lab.formats.manifest import MANIFEST_NAME, RECORDS_DIR
+from k3lab.formats.manifest import MANIFEST_NAME, RECORDS_DIR, ManifestError, check_manifest
 
 READ = 16 * 1024 * 1024
 
@@ -39,16 +38,32 @@ class Report:
 
 
 def load_manifest(out_dir: Path, manifest: str | Path | None) -> dict[str, Any]:
+    """The manifest (or, without one, the per-file records), every field checked: a malformed one is
+    one line, never a traceback later."""
     path = Path(manifest) if manifest else out_dir / MANIFEST_NAME
+    if path.is_dir():
+        raise ManifestError(f"{path}: is a directory, not a manifest")
     if path.exists():
         try:
-            return json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise K3LabError(f"{path}: not valid JSON ({e})") from None
-    records = sorted((out_dir / RECORDS_DIR).glob("*.json"))
+            man = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise ManifestError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
+        check_manifest(man, path)
+        return man
+    records = [
+        p for p in sorted((out_dir / RECORDS_DIR).glob("*.json")) if p.name not in ("plan.json", "kvs.json")
+    ]
     if manifest or not records:
-        raise K3LabError(f"{path}: no manifest (convert writes it; or pass --manifest)")
-    return {"files": [json.loads(p.read_text(encoding="utf-8")) for p in records]}
+        raise ManifestError(f"{path}: no manifest (convert writes it; or pass --manifest)")
+    files = []
+    for p in records:
+        try:
+            files.append(json.loads(p.read_text(encoding="utf-8")))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ManifestError(f"{p}: not valid JSON ({e})") from None
+    man = {"files": files}
+    check_manifest(man, out_dir / RECORDS_DIR)
+    return man
 
 
 def _split_fields(path: Path) -> dict[str, int]:
@@ -134,10 +149,20 @@ def verify(
     total = sum(r["size"] for r in records + others)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=True if quiet else None)
     names: dict[str, str] = {}
+    if only is None:  # a .gguf in the folder that the manifest does not know is not part of this set
+        listed = {r["file"] for r in records + others}
+        for stray in sorted(p.name for p in out_dir.glob("*.gguf") if p.name not in listed):
+            report.problems.append(f"{stray}: in the folder but not part of this set (not in the manifest)")
     for rec in records + others:
         path = out_dir / rec["file"]
+        if path.is_dir():
+            report.problems.append(f"{rec['file']}: is a directory, not a GGUF file")
+            continue
         if not path.exists():
             report.problems.append(f"{rec['file']}: missing")
+            continue
+        if not path.is_file():
+            report.problems.append(f"{rec['file']}: is not a regular file")
             continue
         report.files += 1
         report.bytes += rec["size"]
@@ -219,13 +244,10 @@ def _rederive(
                 continue
             if h.hexdigest() != t["sha256"]:
                 report.problems.append(
-                    f"{rec['file']}: tensor {pt.name}: re-derived from the source, SHA-256 differs"
+                    f"{rec['file']}: tensor {pt.name}: re-derived from the source, SHA-256 differs "
+                    f"(source {pf.source_file}: {pt.sources[0]}"
+                    + (f" and {len(pt.sources) - 1} more)" if len(pt.sources) > 1 else ")")
                 )
-            for s in t["sources"]:
-                if reader.source_sha256(s["name"]) != s["sha256"]:
-                    report.problems.append(
-                        f"{s['file']}: tensor {s['name']}: source SHA-256 differs from the manifest"
-                    )
         source.release(pf.source_file)
         source.release_header(pf.source_file)
     bar.close()

@@ -16,7 +16,7 @@ from typing import Any
 from gguf import GGUFValueType
 
 from k3lab.formats.gguf_stream import KV
-from k3lab.formats.manifest import header_sha256, merge, write_record
+from k3lab.formats.manifest import FORMAT, header_sha256, merge, write_record
 from k3lab.kimi_k3.config import K3Config
 from k3lab.kimi_k3.rules import VISION_RULES
 from k3lab.pipeline.convert import Reader, write_tensors
@@ -94,8 +94,7 @@ def clip_kvs(cfg: K3Config, pre: dict[str, Any], file_type: int = 32) -> list[KV
 
 def plan_vision(cfg: K3Config, source: Any) -> list[PlannedTensor]:
     """Every vision_tower.* and mm_projector.* tensor, each used exactly once."""
-    if not cfg.vision:
-        raise PlanError(f"{cfg.path}: no vision_config")
+    cfg.check_vision()
     names = [n for n in source.weight_map if n.startswith(OTHER_PREFIXES)]
     if not names:
         raise PlanError(f"{source.index_path}: no vision_tower.* or mm_projector.* tensors")
@@ -136,7 +135,7 @@ def convert_vision(meta_dir: str | Path, src_dir: str | Path, out: str | Path) -
     write_record(
         out.parent,
         {
-            "format": "k3lab-manifest/1",
+            "format": FORMAT,
             "kind": "vision",
             "file": out.name,
             "number": 0,
