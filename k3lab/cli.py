@@ -88,7 +88,7 @@ def _plan(args: argparse.Namespace) -> int:
         with start_run(spec, args.out_dir, options) as (plan, _):
             pass
     else:
-        source = spec.open()
+        source = spec.open_fresh()
         plan = build_plan(
             K3Config.load(args.meta), source, options.outtype, options.basename, options.chat_template
         )

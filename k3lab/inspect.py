@@ -33,7 +33,7 @@ def open_conversion(meta: str | Path, src: str | Path, out_dir: str | Path) -> t
     from k3lab.pipeline.runner import prepare
 
     spec = SourceSpec(str(meta), src_dir=str(src))
-    return prepare(spec, out_dir)[0], spec.open()  # type: ignore[return-value]
+    return prepare(spec, out_dir)[0], spec.open_fresh()  # type: ignore[return-value]
 
 
 def convert(

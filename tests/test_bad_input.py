@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from collections.abc import Callable
@@ -89,6 +90,88 @@ def _unused_tensor(src: Path) -> None:
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
+def _config(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    def apply(src: Path) -> None:
+        cfg = json.loads((src / "config.json").read_text())
+        edit(cfg)
+        (src / "config.json").write_text(json.dumps(cfg))
+
+    return apply
+
+
+def _text(key: str, value: object) -> Callable[[Path], None]:
+    return _config(lambda c: c["text_config"].__setitem__(key, value))
+
+
+def _lac(key: str, value: object) -> Callable[[Path], None]:
+    return _config(lambda c: c["text_config"]["linear_attn_config"].__setitem__(key, value))
+
+
+def _json_file(name: str, value: object) -> Callable[[Path], None]:
+    def apply(src: Path) -> None:
+        (src / name).write_text(json.dumps(value))
+
+    return apply
+
+
+def _tok_cfg(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    def apply(src: Path) -> None:
+        cfg = json.loads((src / "tokenizer_config.json").read_text())
+        edit(cfg)
+        (src / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+    return apply
+
+
+def _header(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    """Rewrite LAYER2's header JSON as another writer might have, keeping its data."""
+
+    def apply(src: Path) -> None:
+        p = src / LAYER2
+        raw = p.read_bytes()
+        n = struct.unpack("<Q", raw[:8])[0]
+        header = json.loads(raw[8 : 8 + n])
+        edit(header)
+        new = json.dumps(header).encode()
+        new += b" " * (-len(new) % 8)
+        p.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
+
+    return apply
+
+
+def _first_tensor(h: dict) -> dict:
+    return h[sorted(k for k in h if k != "__metadata__")[0]]
+
+
+def _deep_header(src: Path) -> None:
+    p = src / LAYER2
+    raw = b'{"a":' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    p.write_bytes(struct.pack("<Q", len(raw)) + raw)
+
+
+def _fifo_shard(src: Path) -> None:
+    (src / LAYER2).unlink()
+    os.mkfifo(src / LAYER2)
+
+
+def _dir_shard(src: Path) -> None:
+    (src / LAYER2).unlink()
+    (src / LAYER2).mkdir()
+
+
+def _bad_tiktoken_line(src: Path) -> None:
+    lines = (src / "tiktoken.model").read_bytes().splitlines()
+    lines[300] = b"@@not-base64@@ 300"
+    (src / "tiktoken.model").write_bytes(b"\n".join(lines) + b"\n")
+
+
+def _weight_map_list(src: Path) -> None:
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"] = list(index["weight_map"].items())
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+TC = "config.json"
 CASES = {
     "truncated shard": (_truncate, [LAYER2, "past the end of the file"]),
     "header offsets past end of file": (_offsets_past_end, [LAYER2, "past the end of the file", "layers.2."]),
@@ -104,6 +187,76 @@ CASES = {
     "index names a missing file": (_index_names_missing_file, ["model.safetensors.index.json", LAYER2]),
     "config lacks a required key": (_config_lacks_key, ["config.json", "kv_lora_rank"]),
     "a tensor no rule covers": (_unused_tensor, [LAYER2, "self_attn.mystery.weight", "not used by any rule"]),
+    # config values of the wrong type, out of range, or inconsistent
+    "max_position_embeddings as a string": (
+        _text("max_position_embeddings", "4096"),
+        [TC, "max_position_embeddings", '"4096"', "positive integer"],
+    ),
+    "rms_norm_eps as a string": (_text("rms_norm_eps", "1e-6"), [TC, "rms_norm_eps", "positive number"]),
+    "negative hidden_size": (_text("hidden_size", -128), [TC, "hidden_size is -128"]),
+    "hidden_size 0": (_text("hidden_size", 0), [TC, "hidden_size is 0"]),
+    "num_hidden_layers not a number": (_text("num_hidden_layers", "abc"), [TC, "num_hidden_layers"]),
+    "num_experts 0": (_text("num_experts", 0), [TC, "num_experts is 0"]),
+    "negative top-k": (_text("num_experts_per_token", -1), [TC, "num_experts_per_token is -1"]),
+    "top-k above experts": (
+        _text("num_experts_per_token", 9),
+        [TC, "num_experts_per_token 9 exceeds num_experts"],
+    ),
+    "a bool where a count goes": (_text("num_shared_experts", True), [TC, "num_shared_experts is true"]),
+    "heads not dividing": (_text("num_key_value_heads", 3), [TC, "not a multiple of num_key_value_heads 3"]),
+    "quantization_config a string": (
+        _text("quantization_config", "mxfp4"),
+        [TC, "quantization_config", "expected an object"],
+    ),
+    "quantization_config of another format": (
+        _config(
+            lambda c: c["text_config"]["quantization_config"].__setitem__("format", "nvfp4-pack-quantized")
+        ),
+        [TC, "nvfp4-pack-quantized", "compressed-tensors/mxfp4-pack-quantized"],
+    ),
+    "top-level quantization_config of another method": (
+        _config(lambda c: c.__setitem__("quantization_config", {"quant_method": "fp8", "format": "float"})),
+        [TC, "quantization_config is fp8/float"],
+    ),
+    "4-bit groups of 16": (
+        _config(
+            lambda c: c["text_config"]["quantization_config"]["config_groups"]["group_0"][
+                "weights"
+            ].__setitem__("group_size", 16)
+        ),
+        [TC, "group_size is 16", "MXFP4 needs 32"],
+    ),
+    "linear_attn_config a number": (_text("linear_attn_config", 5), [TC, "linear_attn_config is 5"]),
+    "KDA head_dim 0": (_lac("head_dim", 0), [TC, "linear_attn_config.head_dim is 0"]),
+    "full_attn_layers out of range": (_lac("full_attn_layers", [4, 99]), [TC, "99 outside 1..8"]),
+    "config not an object": (_json_file("config.json", [1, 2]), [TC, "not a JSON object"]),
+    # tokenizer files (checked at plan time, before file 2..N are written)
+    "tokenizer_config a list": (
+        _json_file("tokenizer_config.json", []),
+        ["tokenizer_config.json", "not a JSON object"],
+    ),
+    "added_tokens_decoder a list": (
+        _tok_cfg(lambda c: c.__setitem__("added_tokens_decoder", [])),
+        ["tokenizer_config.json", "added_tokens_decoder is not an object"],
+    ),
+    "bad base64 in tiktoken.model": (_bad_tiktoken_line, ["tiktoken.model:301", "bad base64"]),
+    # the index and the headers
+    "weight_map a list": (_weight_map_list, ["model.safetensors.index.json", "not a safetensors index"]),
+    "data_offsets as floats": (
+        _header(
+            lambda h: _first_tensor(h).__setitem__(
+                "data_offsets", [float(x) for x in _first_tensor(h)["data_offsets"]]
+            )
+        ),
+        [LAYER2, "bad shape", "offsets"],
+    ),
+    "a shape holding true": (
+        _header(lambda h: _first_tensor(h).__setitem__("shape", [True] + _first_tensor(h)["shape"][1:])),
+        [LAYER2, "bad shape"],
+    ),
+    "a header nested 200k levels deep": (_deep_header, [LAYER2, "nests 200001 levels"]),
+    "a FIFO as a shard": (_fifo_shard, [LAYER2, "not a regular file"]),
+    "a directory as a shard": (_dir_shard, [LAYER2, "is a directory"]),
 }
 
 
@@ -119,10 +272,15 @@ def test_bad_input_is_one_clear_line(
     assert main(["convert", "--meta", str(src), "--out-dir", str(out), "--quiet", "--jobs", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
-    assert err.startswith("k3lab: error: ")
+    assert err.startswith("k3lab: error: ") and "Traceback" not in err
     for needle in needles:
         assert needle in err, (needle, err)
-    assert not list(out.glob("*.gguf")) and not list(out.glob("*.partial"))
+    assert not out.exists()  # found before anything was written: not even the folder
+    # fixed, the same command runs clean
+    shutil.rmtree(src)
+    shutil.copytree(tiny_src, src)
+    assert main(["convert", "--meta", str(src), "--out-dir", str(out), "--quiet"]) == 0
+    assert len(list(out.glob("*.gguf"))) == 9 and not list(out.rglob("*.partial"))
 
 
 def test_user_files_are_never_touched(tiny_src: Path, tmp_path: Path) -> None:

@@ -151,7 +151,8 @@ def read_specials(path: str | Path) -> tuple[dict[int, str], dict]:
         raise TokenizerError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
     if not isinstance(cfg, dict):
         raise TokenizerError(f"{path}: not a JSON object")
-    decoder = cfg.get("added_tokens_decoder") or {}
+    decoder = cfg.get("added_tokens_decoder")
+    decoder = {} if decoder is None else decoder
     if not isinstance(decoder, dict):
         raise TokenizerError(f"{path}: added_tokens_decoder is not an object of id -> token")
     specials: dict[int, str] = {}

@@ -144,7 +144,7 @@ def prepare(
 ) -> tuple[Plan, list | None]:
     """The plan for this output folder, every input checked: the saved one when its inputs are
     unchanged, else a new one with the KVs to save. Writes nothing into ``out_dir``."""
-    source = spec.open()
+    source = spec.open_fresh()
     if spec.is_hub:
         source.fetch_meta()  # type: ignore[attr-defined]
     return ensure_plan(out_dir, source, options.outtype, options.basename, options.chat_template)

@@ -100,7 +100,12 @@ class SourceSpec:
         return self.repo is not None
 
     def open(self) -> Source:
+        """This process's source for the spec, opened once (a worker converting several shards)."""
         return _open_source(self)
+
+    def open_fresh(self) -> Source:
+        """A new source: the planner reads the files as they are now, not as a cached index had them."""
+        return _open_source.__wrapped__(self)
 
     def describe(self) -> str:
         return f"{self.repo}@{self.revision or 'main'}" if self.is_hub else str(self.src_dir)
