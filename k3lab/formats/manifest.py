@@ -37,7 +37,10 @@ MANIFEST_NAME = "MANIFEST.json"
 
 
 class ManifestError(K3LabError):
-    """A manifest or record that is not what k3lab writes: one line, naming the file and field."""
+    """A manifest or record that is not what k3lab writes: one line, naming the file and field; exit 1,
+    as for any set that does not verify."""
+
+    exit_code = 1
 
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")

@@ -112,11 +112,10 @@ def stop_on_sigterm() -> None:
 
 
 def _init_worker(progress_queue: Any, parent: int) -> None:
-    """In each local worker process: report progress to the parent, and die with it. Ctrl-C reaches
-    the whole process group; the parent alone decides to stop, so workers ignore SIGINT."""
+    """In each local worker process: report progress to the parent, and die with it (SIGINT is
+    ignored from birth: see _run_pool)."""
     global _progress_queue
     _progress_queue = progress_queue
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     stop_on_sigterm()
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="k3lab-parent-watch").start()
 
@@ -230,7 +229,10 @@ def _convert_planned(
         overall.close()
         if spec.is_hub:
             spec.open().close()  # type: ignore[attr-defined]
-        merge(out_dir)
+        try:
+            merge(out_dir)
+        except K3LabError as e:  # (a full disk) reported after the error that came first
+            errors.append(e)
     if errors:
         raise errors[0]
     return sorted(results, key=lambda r: r.number)
@@ -254,13 +256,23 @@ def _run_here(task: Task, todo: list[int], overall: Any, results: list[FileResul
 
 def _run_pool(task: Task, todo: list[int], jobs: int, overall: Any, results: list, errors: list) -> None:
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    pool = ProcessPoolExecutor(
-        max_workers=min(jobs, len(todo)), mp_context=ctx, initializer=_init_worker, initargs=(q, os.getpid())
-    )
+    # workers are born ignoring SIGINT (an ignored signal stays ignored across exec, and Python then
+    # installs no KeyboardInterrupt handler): Ctrl-C reaches the whole group, but only this process
+    # decides how the run stops, even while a worker is still starting up
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        q = ctx.Queue()
+        pool = ProcessPoolExecutor(
+            max_workers=min(jobs, len(todo)),
+            mp_context=ctx,
+            initializer=_init_worker,
+            initargs=(q, os.getpid()),
+        )
+        pending = {pool.submit(run_task, task, k) for k in todo}
+    finally:
+        signal.signal(signal.SIGINT, previous)
     stopping = False
     try:
-        pending = {pool.submit(run_task, task, k) for k in todo}
         while pending:
             _drain(q, overall)
             for f in [f for f in pending if f.done()]:

@@ -20,6 +20,7 @@ from k3lab.formats.manifest import FORMAT, header_sha256, merge, write_record
 from k3lab.kimi_k3.config import K3Config
 from k3lab.kimi_k3.rules import VISION_RULES
 from k3lab.pipeline.convert import Reader, write_tensors
+from k3lab.pipeline.lock import hold_folder
 from k3lab.pipeline.plan import OTHER_PREFIXES, PlanError, PlannedTensor, plan_tensor
 from k3lab.pipeline.sources import LocalSource
 
@@ -113,18 +114,28 @@ def plan_vision(cfg: K3Config, source: Any) -> list[PlannedTensor]:
 
 
 def convert_vision(meta_dir: str | Path, src_dir: str | Path, out: str | Path) -> Path:
-    """Write the mmproj GGUF and its manifest record (``OUT_DIR/.k3lab/mmproj.json``)."""
+    """Write the mmproj GGUF and its manifest record (``OUT_DIR/.k3lab/mmproj.json``): planned and
+    checked first, then written holding the folder's lock."""
     cfg = K3Config.load(meta_dir)
     source = LocalSource(src_dir, meta_dir)
     planned = plan_vision(cfg, source)
     out = Path(out)
     files = sorted({source.weight_map[n] for pt in planned for n in pt.sources})
     entries = {n: e for f in files for n, e in source.header(f).items()}
+    kvs = clip_kvs(cfg, preprocessor_config(meta_dir))
+    with hold_folder(out.parent):
+        return _write_mmproj(out, kvs, planned, source, entries)
+
+
+def _write_mmproj(
+    out: Path, kvs: list[KV], planned: list[PlannedTensor], source: LocalSource, entries: dict
+) -> Path:
+    files = sorted({source.weight_map[n] for n in entries})
     try:
         records, data_start = write_tensors(
             out,
             CLIP_ARCH,
-            clip_kvs(cfg, preprocessor_config(meta_dir)),
+            kvs,
             planned,
             Reader(source, entries),
             {n: source.weight_map[n] for n in entries},
