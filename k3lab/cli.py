@@ -20,7 +20,7 @@ def _synth(args: argparse.Namespace) -> int:
     from k3lab.synth import synthesize
     from k3lab.synth.report import describe
 
-    result = synthesize(args.preset, args.out, seed=args.seed, experts=args.experts)
+    result = synthesize(args.preset, args.out, seed=args.seed, experts=args.experts, draw=args.draw)
     print(describe(result))
     return 0
 
@@ -156,20 +156,19 @@ def _vision(args: argparse.Namespace) -> int:
 
 
 def _check_logits(args: argparse.Namespace) -> int:
-    from k3lab.pipeline.logits import check_logits
+    from k3lab.pipeline.logits import check_logits, check_stages
 
     tokens = [int(t) for t in args.tokens.replace(",", " ").split()] if args.tokens else None
     report = check_logits(
         args.meta, args.src or args.meta, args.gguf, args.prompt, tokens, args.threshold, args.mode
     )
-    print(report.table())
-    ok = report.ok
     if args.blocks:
-        from k3lab.pipeline.logits import check_blocks
-
-        blocks = check_blocks(args.meta, args.src or args.meta, args.gguf, report.tokens, args.mode)
-        print(blocks.table())
-        ok = ok and not blocks.failed
+        print(report.table())
+    print(f"whole model, for information: {report.summary()}")
+    stages = check_stages(args.meta, args.src or args.meta, args.gguf, report.tokens, args.mode)
+    print(stages.table(every=args.blocks))
+    ok = not stages.failed
+    print(f"check-logits {'OK' if ok else 'FAILED'}: the verdict is the stage check")
     return 0 if ok else 1
 
 
@@ -230,6 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="output folder")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--experts", type=int, default=None, help="override the number of routed experts")
+    s.add_argument(
+        "--draw",
+        choices=["trained", "normal", "fan-in", "near-ties"],
+        default="trained",
+        help="how values are drawn: like a trained model's (default), or plain random (see synth/generate.py)",
+    )
     s.set_defaults(func=_synth)
 
     t = sub.add_parser(
@@ -288,7 +293,12 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--gguf", required=True, help="the first file of the converted split set")
     cl.add_argument("--prompt", help="text to tokenize (default: a built-in mixed prompt)")
     cl.add_argument("--tokens", help="token ids instead of a prompt, e.g. '1,2,3'")
-    cl.add_argument("--threshold", type=float, default=1e-4, help="largest per-position NMSE (default 1e-4)")
+    cl.add_argument(
+        "--threshold",
+        type=float,
+        default=1e-4,
+        help="whole-model per-position NMSE shown as good (information)",
+    )
     cl.add_argument(
         "--mode",
         choices=["ggml", "f32"],
@@ -298,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument(
         "--blocks",
         action="store_true",
-        help="also compare each block given llama.cpp's own block input (names the wrong layer)",
+        help="print every position and every stage (by default: the summary and any failing stage)",
     )
     cl.set_defaults(func=_check_logits)
 

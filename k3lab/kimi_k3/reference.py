@@ -172,14 +172,24 @@ class Reference:
     def res_score(self, prefix: str) -> np.ndarray:
         return self.w(f"{prefix}_norm.weight").reshape(-1) * self.w(f"{prefix}_proj.weight").reshape(-1)
 
-    def res_mix(self, cur: np.ndarray, bank: list[np.ndarray], score_w: np.ndarray) -> np.ndarray:
-        if not bank:
-            return cur
+    def res_probs(self, cur: np.ndarray, bank: list[np.ndarray], score_w: np.ndarray) -> np.ndarray:
+        """(T, n_bank + 1): softmax over the banked checkpoints and the current stream of
+        sum(rms_norm(entry) * score_w), as llama.cpp's ``res_probs``."""
         entries = np.stack([*bank, cur])  # (n, T, H)
         scores = (rms_norm(entries, self.eps) * score_w).sum(-1)  # scored on normalised values
         probs = np.exp(scores - scores.max(0))
-        probs /= probs.sum(0)
-        return (probs[..., None] * entries).sum(0)  # mixed from the raw values
+        return (probs / probs.sum(0)).T
+
+    @staticmethod
+    def mix(cur: np.ndarray, bank: list[np.ndarray], probs: np.ndarray) -> np.ndarray:
+        """The probability-weighted sum of the raw entries (probs as ``res_probs`` gives them)."""
+        entries = np.stack([*bank, cur])
+        return (probs.T[..., None] * entries).sum(0)
+
+    def res_mix(self, cur: np.ndarray, bank: list[np.ndarray], score_w: np.ndarray) -> np.ndarray:
+        if not bank:
+            return cur
+        return self.mix(cur, bank, self.res_probs(cur, bank, score_w))
 
     # --- KDA ---
     def kda(self, il: int, x: np.ndarray) -> np.ndarray:
@@ -260,16 +270,29 @@ class Reference:
         )
         return self.lin(h, p + "down_proj.weight")
 
-    def moe(self, il: int, x: np.ndarray) -> np.ndarray:
+    def router(self, il: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(probs, selection scores), each (T, E): sigmoid of the router on the full-width input, and
+        the same plus the correction bias, which only steers the choice."""
+        p = f"model.layers.{il}.block_sparse_moe."
+        probs = sigmoid(self.lin(x, p + "gate.weight"))
+        return probs, probs + self.w(p + "gate.e_score_correction_bias")
+
+    def select(self, il: int, x: np.ndarray) -> np.ndarray:
+        """(T, k) the experts the reference chooses."""
+        _, chosen = self.router(il, x)
+        return np.argsort(-chosen, axis=-1, kind="stable")[:, : int(self.cfg["num_experts_per_token"])]
+
+    def moe(self, il: int, x: np.ndarray, selected: np.ndarray | None = None) -> np.ndarray:
+        """The MoE FFN; with ``selected`` (T, k) it uses that expert choice (llama.cpp's own, so that
+        a near-tie in the router cannot turn a correct file into a mismatch)."""
         w, cfg, t = self.w, self.cfg, self.cfg.text
         p = f"model.layers.{il}.block_sparse_moe."
-        probs = sigmoid(self.lin(x, p + "gate.weight"))  # (T, E), from the full-width input
-        chosen = probs + w(p + "gate.e_score_correction_bias")  # the bias only steers the choice
-        k = int(t["num_experts_per_token"])
+        probs, _ = self.router(il, x)
+        selected = self.select(il, x) if selected is None else selected
         latent_in = self.lin(x, p + "routed_expert_down_proj.weight") if cfg.is_latent_moe else x
         out = np.zeros_like(latent_in)
         for ti in range(x.shape[0]):
-            idx = np.argsort(-chosen[ti], kind="stable")[:k]
+            idx = selected[ti]
             weights = probs[ti, idx]
             if t["moe_renormalize"]:
                 weights = weights / max(weights.sum(), 6.103515625e-5)

@@ -2,8 +2,10 @@
 
 llama.cpp names the tensors of its graph (``attn_norm-3``, ``kda_out-3``, ``ffn_out-3``, ...; see
 ``src/models/kimi-k3.cpp``). ``trace`` runs one batch with a callback that copies the named F32
-tensors out, so the reference can be fed llama.cpp's *own* block inputs and each block compared
-on its own: a wrong transform then shows up in its layer, undisturbed by rounding elsewhere.
+and I32 tensors out (views included, read through their strides; a name used twice in a layer, as
+``res_probs`` is, keeps every occurrence in graph order), so the reference can be fed llama.cpp's
+*own* stage inputs and each stage compared on its own: a wrong transform then shows up where it is,
+undisturbed by rounding elsewhere.
 """
 
 from __future__ import annotations
@@ -31,32 +33,50 @@ def _ggml() -> ctypes.CDLL:
     lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
     lib.ggml_get_name.restype, lib.ggml_get_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
     lib.ggml_nelements.restype, lib.ggml_nelements.argtypes = ctypes.c_int64, [ctypes.c_void_p]
-    lib.ggml_get_data_f32.restype = ctypes.POINTER(ctypes.c_float)
-    lib.ggml_get_data_f32.argtypes = [ctypes.c_void_p]
+    lib.ggml_get_data.restype, lib.ggml_get_data.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
     return lib
+
+
+GGML_F32, GGML_I32 = 0, 26
+_DTYPES = {GGML_F32: np.float32, GGML_I32: np.int32}
+
+
+def _copy_out(lib: ctypes.CDLL, t: int) -> np.ndarray | None:
+    """A tensor's values as (n_tokens, width), read through its strides (a view need not be
+    contiguous); None for a type not read here."""
+    head = _TensorHead.from_address(t)
+    dtype = _DTYPES.get(head.type)
+    if dtype is None:
+        return None
+    ne, nb = list(head.ne), list(head.nb)
+    item = np.dtype(dtype).itemsize
+    span = sum((n - 1) * b for n, b in zip(ne, nb)) + item
+    base = np.frombuffer((ctypes.c_uint8 * span).from_address(lib.ggml_get_data(t)), dtype=np.uint8)
+    values = np.lib.stride_tricks.as_strided(
+        base.view(dtype), shape=tuple(reversed(ne)), strides=tuple(reversed(nb)), writeable=False
+    )
+    return values.copy().reshape(-1, ne[0])  # (rows: tokens, or the output rows; width)
 
 
 def trace(
     gguf_path: str | Path, tokens: list[int], names: set[str], threads: int = 2
-) -> dict[str, np.ndarray]:
-    """Run ``tokens`` through llama.cpp (F32 KV cache) and return the named tensors as (T, width) arrays."""
+) -> dict[str, list[np.ndarray]]:
+    """Run ``tokens`` through llama.cpp (F32 KV cache) and return every occurrence of the named
+    tensors, in graph order, as (T, width) arrays."""
     import llama_cpp
     from llama_cpp import llama_cpp as C
 
     lib = _ggml()
-    found: dict[str, np.ndarray] = {}
+    found: dict[str, list[np.ndarray]] = {}
 
     @C.ggml_backend_sched_eval_callback
     def callback(t: int, ask: bool, _user: int) -> bool:
         name = lib.ggml_get_name(t).decode()
         if ask:
             return name in names
-        head = _TensorHead.from_address(t)
-        if head.type == 0:  # F32
-            n = lib.ggml_nelements(t)
-            found[name] = (
-                np.ctypeslib.as_array(lib.ggml_get_data_f32(t), shape=(n,)).copy().reshape(len(tokens), -1)
-            )
+        values = _copy_out(lib, t)
+        if values is not None:
+            found.setdefault(name, []).append(values)
         return True
 
     llm = llama_cpp.Llama(

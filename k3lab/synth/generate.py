@@ -1,10 +1,19 @@
 """Write a synthetic Kimi-K3 checkpoint: config, index, safetensors shards, tokenizer files.
 
 Values are drawn per tensor from a seed and the tensor's name, so any shard can be written
-alone and the same seed always gives the same bytes. They are drawn to look like a trained
-model's: norms near one, fan-in scaled linears whose gain varies by layer and projection, and
-MXFP4 experts whose E8M0 scales wander by layer, projection, expert and row, with rare outlier
-blocks, and whose FP4 codes follow a bell-shaped histogram.
+alone and the same seed always gives the same bytes. ``draw`` says how:
+
+  trained    (the default) to look like a trained model's: norms near one, fan-in scaled linears
+             whose gain varies by layer and projection, MXFP4 experts whose E8M0 scales wander by
+             layer, projection, expert and row, with rare outlier blocks, and whose FP4 codes follow
+             a bell-shaped histogram; routers with a clear expert preference per layer
+  normal     a fresh initialisation: every matrix N(0, 0.02), norms 1, biases and router bias 0
+  fan-in     every matrix N(0, 1/sqrt(fan_in)), embeddings N(0, 1), norms 1, router bias 0
+  near-ties  as normal, with routers so flat (N(0, 1e-5)) that expert choices nearly tie
+
+In the last three the MXFP4 experts are float weights of the same law quantised by compressed-tensors'
+own definition (``mxfp4.quantize_compressed_tensors``), not a synthetic code histogram: checks that
+hold on ``trained`` must hold on these too.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from k3lab.formats import mxfp4
 from k3lab.formats.numerics import f32_to_bf16_bits
 from k3lab.formats.safetensors import NUMPY_DTYPE, build_header, data_size
 from k3lab.kimi_k3.config import K3Config
@@ -95,8 +105,45 @@ def _mxfp4_packed(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
     return (lo | (hi << 4)).reshape(spec.shape)
 
 
-def tensor_values(spec: TensorSpec, seed: int) -> np.ndarray:
+DRAWS = ("trained", "normal", "fan-in", "near-ties")
+
+
+def _plain_values(spec: TensorSpec, seed: int, draw: str) -> np.ndarray:
+    """The float32 values (or MXFP4 parts) of the plain draws: no conditioning at all."""
+    if spec.kind in ("mxfp4_packed", "mxfp4_scale"):
+        base = spec.name.rsplit(".", 1)[0]  # both halves quantise the same float weights
+        rows = spec.shape[0]
+        cols = spec.shape[1] * (2 if spec.kind == "mxfp4_packed" else mxfp4.QK)
+        std = 0.02 if draw != "fan-in" else 1 / np.sqrt(cols)
+        packed, scale = mxfp4.quantize_compressed_tensors(_rng(seed, base).normal(0.0, std, (rows, cols)))
+        return packed if spec.kind == "mxfp4_packed" else scale
+    rng = _rng(seed, spec.name)
+    shape = spec.shape
+    fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+    if spec.kind in ("norm",):
+        return np.ones(shape, np.float32)
+    if spec.kind in ("bias", "router_bias"):
+        return np.zeros(shape, np.float32)
+    if spec.kind == "a_log":
+        return np.log(rng.uniform(1.0, 16.0, size=shape)).astype(np.float32)
+    if spec.kind == "dt_bias":
+        return rng.normal(0.0, 0.02 if draw != "fan-in" else 1.0, size=shape).astype(np.float32)
+    if draw == "near-ties" and spec.name.endswith("block_sparse_moe.gate.weight"):
+        return rng.normal(0.0, 1e-5, size=shape).astype(np.float32)
+    if draw == "fan-in":
+        std = 1.0 if spec.kind == "embed" else 1 / np.sqrt(fan_in)
+    else:
+        std = 0.02
+    return rng.normal(0.0, std, size=shape).astype(np.float32)
+
+
+def tensor_values(spec: TensorSpec, seed: int, draw: str = "trained") -> np.ndarray:
     """The synthetic tensor, in its safetensors holding dtype (BF16 as uint16 bits)."""
+    if draw != "trained":
+        x = _plain_values(spec, seed, draw)
+        if spec.kind in ("mxfp4_packed", "mxfp4_scale"):
+            return x
+        return f32_to_bf16_bits(x) if spec.dtype == "BF16" else x.astype(NUMPY_DTYPE[spec.dtype])
     rng = _rng(seed, spec.name)
     if spec.kind == "mxfp4_packed":
         return _mxfp4_packed(spec, rng)
@@ -234,10 +281,15 @@ def _disk_usage(root: Path) -> int:
     return sum(p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
 
 
-def synthesize(preset: str, out: str | os.PathLike, seed: int = 0, experts: int | None = None) -> SynthResult:
-    """Write the `preset` checkpoint to `out`. The `full` preset writes headers and leaves data as holes."""
+def synthesize(
+    preset: str, out: str | os.PathLike, seed: int = 0, experts: int | None = None, draw: str = "trained"
+) -> SynthResult:
+    """Write the `preset` checkpoint to `out`, values drawn as `draw` says. The `full` preset writes
+    headers and leaves data as holes."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    if draw not in DRAWS:
+        raise ValueError(f"unknown draw {draw!r}; choose from {', '.join(DRAWS)}")
     raw = PRESETS[preset]()
     if experts:
         t = raw["text_config"]
@@ -262,7 +314,7 @@ def synthesize(preset: str, out: str | os.PathLike, seed: int = 0, experts: int 
                 fh.truncate(len(header) + size)
             else:
                 for spec in specs:
-                    fh.write(np.ascontiguousarray(tensor_values(spec, seed)).tobytes())
+                    fh.write(np.ascontiguousarray(tensor_values(spec, seed, draw)).tobytes())
         weight_map.update({s.name: fname for s in specs})
         total += size
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
