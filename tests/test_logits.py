@@ -16,6 +16,7 @@ from k3lab.cli import main
 from k3lab.kimi_k3.config import K3Config
 from k3lab.kimi_k3.reference import Reference, round_q8_0
 from k3lab.pipeline.sources import LocalSource
+from k3lab.synth import synthesize
 
 pytestmark = needs_llama
 
@@ -42,11 +43,14 @@ def test_reference_and_llama_cpp_agree(
     which: str, tiny_src: Path, tiny_out: Path, seed1: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     src, out = (tiny_src, tiny_out) if which == "seed0" else seed1
-    code, text = _check(src, out, capsys)
-    rows = [line.split() for line in text.splitlines()[1:-1]]
+    code, text = _check(src, out, capsys, "--blocks")
+    lines = text.splitlines()
+    end = next(i for i, ln in enumerate(lines) if ln.startswith("max NMSE"))
+    rows = [line.split() for line in lines[1:end]]
     assert len(rows) >= 32  # a 32-token prompt or longer
     nmse = np.array([float(r[2]) for r in rows])
     assert code == 0, text
+    # on the trained-like draw the whole model agrees too (information, not the verdict)
     assert nmse.max() <= 1e-4 and all(r[4] == r[5] for r in rows), text
 
 
@@ -64,42 +68,117 @@ def _patch(path: Path, name: str, edit) -> None:
         fh.write(new.tobytes())
 
 
+# checkpoints drawn four ways (synth --draw), each converted once: the verdict must not depend on it
+DRAWS = {"trained": 0, "normal": 1, "fan-in": 2, "near-ties": 3}  # draw -> seed
+
+
+@pytest.fixture(scope="module")
+def drawn(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    out = {}
+    for draw, seed in DRAWS.items():
+        root = tmp_path_factory.mktemp(draw)
+        synthesize("tiny", root / "src", seed=seed, draw=draw)
+        assert convert(root / "src", root / "out") == 0
+        out[draw] = (root / "src", root / "out")
+    return out
+
+
+def _tensor(path: Path, name: str) -> np.ndarray:
+    r = gguf.GGUFReader(path)
+    return np.array(next(t for t in r.tensors if t.name == name).data)
+
+
+def _swap(path: Path, a: str, b: str) -> None:
+    ta, tb = _tensor(path, a), _tensor(path, b)
+    _patch(path, a, lambda _: tb)
+    _patch(path, b, lambda _: ta)
+
+
+def _experts_0_and_1_swapped(path: Path) -> None:
+    """Stacking put expert 1 where expert 0 goes and back, in all three stacks alike."""
+    for name in ("blk.1.ffn_gate_exps.weight", "blk.1.ffn_up_exps.weight", "blk.1.ffn_down_exps.weight"):
+        _patch(path, name, lambda a: a[[1, 0, *range(2, a.shape[0])]])
+
+
+# name -> (output file, what is done to it, the first stage that must fail)
 CORRUPTIONS = {
-    # A_log folded without the minus: ssm_a = +exp(A_log)
-    "ssm_a without the minus": ("00002", "blk.1.ssm_a", lambda a: -a, "kda_out-1"),
-    # k_b written untransposed (the bytes of [head, nope, kv_lora] under the declared [head, kv_lora, nope])
+    "ssm_a without the minus": ("00002", lambda p: _patch(p, "blk.1.ssm_a", lambda a: -a), "kda_out-1"),
+    # the bytes of [head, nope, kv_lora] under the declared [head, kv_lora, nope]
     "k_b not transposed": (
         "00004",
-        "blk.3.attn_k_b.weight",
-        lambda a: a.view(np.uint16).reshape(4, 64, 32).transpose(0, 2, 1).copy(),
+        lambda p: _patch(
+            p,
+            "blk.3.attn_k_b.weight",
+            lambda a: a.view(np.uint16).reshape(4, 64, 32).transpose(0, 2, 1).copy(),
+        ),
         "mla_out-3",
     ),
-    # the experts' gate and up swapped: written into each other's place
-    "gate/up swapped": ("00002", "blk.1.ffn_gate_exps.weight", None, "ffn_out-1"),
+    "experts' gate and up swapped": (
+        "00002",
+        lambda p: _swap(p, "blk.1.ffn_gate_exps.weight", "blk.1.ffn_up_exps.weight"),
+        "ffn_out-1",
+    ),
+    "two experts' order swapped in the stacks": ("00002", _experts_0_and_1_swapped, "ffn_out-1"),
+    "res_score fused with a wrong factor": (
+        "00003",
+        lambda p: _patch(p, "blk.2.attn_res_score.weight", lambda a: 2 * a),
+        "res_probs-2 (attention)",
+    ),
+    "conv1d kernel reversed": (
+        "00002",
+        lambda p: _patch(p, "blk.1.ssm_conv1d_q.weight", lambda a: a[..., ::-1].copy()),
+        "kda_out-1",
+    ),
 }
 
 
-@pytest.mark.parametrize("case", list(CORRUPTIONS))
-def test_a_wrong_transform_fails_the_check(
-    case: str, tiny_src: Path, tiny_out: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def _verdict(src: Path, out: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = main(["check-logits", "--meta", str(src), "--gguf", str(_first(out))])
+    return code, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("draw", list(DRAWS))
+def test_a_correct_conversion_passes_however_the_weights_were_drawn(
+    draw: str, drawn: dict[str, tuple[Path, Path]], capsys: pytest.CaptureFixture[str]
 ) -> None:
+    code, text = _verdict(*drawn[draw], capsys)
+    assert code == 0, text
+    assert "58/58 stages agree" in text and text.rstrip().endswith(
+        "check-logits OK: the verdict is the stage check"
+    )
+
+
+@pytest.mark.parametrize("draw", list(DRAWS))
+@pytest.mark.parametrize("case", list(CORRUPTIONS))
+def test_every_wrong_transform_fails_and_is_named_on_every_draw(
+    case: str,
+    draw: str,
+    drawn: dict[str, tuple[Path, Path]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    src, good = drawn[draw]
     out = tmp_path / "set"
-    shutil.copytree(tiny_out, out)
-    number, name, edit, wrong_block = CORRUPTIONS[case]
-    path = next(out.glob(f"*-{number}-of-*.gguf"))
-    if edit is None:
-        r = gguf.GGUFReader(path)
-        up = np.array(next(t for t in r.tensors if t.name == "blk.1.ffn_up_exps.weight").data)
-        gate = np.array(next(t for t in r.tensors if t.name == name).data)
-        del r
-        _patch(path, name, lambda _: up)
-        _patch(path, "blk.1.ffn_up_exps.weight", lambda _: gate)
-    else:
-        _patch(path, name, edit)
-    code, text = _check(tiny_src, out, capsys, "--blocks")
+    shutil.copytree(good, out)
+    number, corrupt, stage = CORRUPTIONS[case]
+    corrupt(next(out.glob(f"*-{number}-of-*.gguf")))
+    code, text = _verdict(src, out, capsys)
     assert code == 1, text
-    assert "FAILED" in text
-    assert text.splitlines()[-1].endswith(f"first wrong: {wrong_block}"), text  # and it names the layer
+    assert f"first wrong: {stage}" in text, text
+    assert text.rstrip().endswith("check-logits FAILED: the verdict is the stage check")
+
+
+def test_the_default_prompt_fits_any_vocabulary(
+    tiny_src: Path, tiny_out: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A prompt that the vocabulary makes longer than the old fixed context (64) is sized after tokenizing."""
+    prompt = " ".join(f"{i}x{i * 7919 % 1000}" for i in range(60))
+    code = main(
+        ["check-logits", "--meta", str(tiny_src), "--gguf", str(_first(tiny_out)), "--prompt", prompt]
+    )
+    text = capsys.readouterr().out
+    n = int(text.split("whole model, for information: ")[1].split(" positions")[0])
+    assert n > 64 and code == 0, text
 
 
 def test_q8_0_rounding_matches_ggml_reference() -> None:
@@ -145,4 +224,10 @@ def test_every_block_agrees_given_llama_cpps_own_inputs(
 ) -> None:
     code, text = _check(tiny_src, tiny_out, capsys, "--blocks")
     assert code == 0, text
-    assert "16/16 blocks agree" in text
+    assert "58/58 stages agree" in text
+    rows = [
+        ln for ln in text.splitlines() if ln.startswith(("res_probs", "ffn_moe_topk", "inp_embd", "result_"))
+    ]
+    assert (
+        len(rows) == 1 + 15 + 1 + 7 + 2
+    )  # embeddings, the mixes, the output mix, the routers, norm and head

@@ -40,7 +40,7 @@ class TransformError(K3LabError):
 Shape = tuple[int, ...]
 
 
-COPY_CHUNK = 32 * 1024 * 1024  # bytes of rows per piece when copying or casting
+COPY_CHUNK = 16 * 1024 * 1024  # bytes of rows per piece when copying or casting
 # source pieces alive at once: the one a stream works on, and those the writer still hashes and writes
 MAPPED_PIECES = PIECES_IN_FLIGHT + 1
 PIECES_RING = PIECES_IN_FLIGHT + 1  # output buffers the mxfp4 stream rotates (see GGUFStream.write)
@@ -77,8 +77,9 @@ class TensorJob:
     def pieces(self) -> Iterator[np.ndarray]:
         return self.transform.stream.pieces(self)
 
-    def memory(self) -> tuple[int, int]:
-        """(largest single read, bytes allocated besides the source pieces) at any moment."""
+    def memory(self) -> int:
+        """The most bytes this tensor holds at once: its pieces alive (being made, hashed and written)
+        and what a cast or a transform allocates."""
         return self.transform.stream.memory(self)
 
 
@@ -86,7 +87,7 @@ class TensorJob:
 class Stream:
     name: str
     pieces: Callable[[TensorJob], Iterator[np.ndarray]]
-    memory: Callable[[TensorJob], tuple[int, int]]
+    memory: Callable[[TensorJob], int]
     doc: str
     fixed: int = 0  # paid once per process that runs this stream (compiled code)
 
@@ -106,10 +107,22 @@ def _rows_pieces(job: TensorJob) -> Iterator[np.ndarray]:
         yield cast(job.read(src.name, r, min(rows, r + step)), src.dtype, job.target)
 
 
-def _rows_memory(job: TensorJob) -> tuple[int, int]:
+def _piece_memory(src_bytes: int, dtype: str, target: GGMLQuantizationType) -> int:
+    """A source piece handed on as it is stays alive until hashed and written (MAPPED_PIECES at once);
+    a cast one is dropped once cast, and its output (plus the float32 widening it went through) lives
+    on instead."""
+    extra = cast_bytes(src_bytes, dtype, target)
+    if not extra:
+        return MAPPED_PIECES * src_bytes
+    out = src_bytes // SIZE[dtype] * {GGMLQuantizationType.F32: 4}.get(target, 2)
+    return src_bytes + extra + PIECES_IN_FLIGHT * out
+
+
+def _rows_memory(job: TensorJob) -> int:
     (src,) = job.sources
-    slab = min(src.nbytes, _slab_rows(src) * max(1, src.nbytes // max(src.shape[0] if src.shape else 1, 1)))
-    return slab, 2 * cast_bytes(slab, src.dtype, job.target)  # the writer may still hash the last one
+    rows = src.shape[0] if src.shape else 1
+    slab = min(src.nbytes, _slab_rows(src) * max(1, src.nbytes // max(rows, 1)))
+    return _piece_memory(slab, src.dtype, job.target)
 
 
 def _each_pieces(job: TensorJob) -> Iterator[np.ndarray]:
@@ -118,9 +131,8 @@ def _each_pieces(job: TensorJob) -> Iterator[np.ndarray]:
         yield cast(job.read(src.name), src.dtype, job.target)
 
 
-def _each_memory(job: TensorJob) -> tuple[int, int]:
-    big = max(s.nbytes for s in job.sources)
-    return big, 2 * cast_bytes(big, job.sources[0].dtype, job.target)
+def _each_memory(job: TensorJob) -> int:
+    return _piece_memory(max(s.nbytes for s in job.sources), job.sources[0].dtype, job.target)
 
 
 def _mxfp4_pieces(job: TensorJob) -> Iterator[np.ndarray]:
@@ -135,8 +147,10 @@ def _mxfp4_pieces(job: TensorJob) -> Iterator[np.ndarray]:
         yield buf
 
 
-def _mxfp4_memory(job: TensorJob) -> tuple[int, int]:
-    return max(s.nbytes for s in job.sources), PIECES_RING * job.nbytes // (len(job.sources) // 2)
+def _mxfp4_memory(job: TensorJob) -> int:
+    """One expert's (packed, scale) mapped while it is repacked, and the rotating output buffers."""
+    n_expert = len(job.sources) // 2
+    return job.sources[0].nbytes + job.sources[1].nbytes + PIECES_RING * job.nbytes // n_expert
 
 
 def _whole_pieces(job: TensorJob) -> Iterator[np.ndarray]:
@@ -150,11 +164,11 @@ def _whole_pieces(job: TensorJob) -> Iterator[np.ndarray]:
         yield cast(t.fn(*arrays, cfg=job.cfg), job.sources[0].dtype, job.target)
 
 
-def _whole_memory(job: TensorJob) -> tuple[int, int]:
+def _whole_memory(job: TensorJob) -> int:
     held = sum(s.nbytes for s in job.sources)
     if job.transform.on_values:
         held += sum(4 * s.nbytes // SIZE.get(s.dtype, 4) for s in job.sources) + 4 * job.nbytes
-    return 0, held + 2 * job.nbytes
+    return held + PIECES_IN_FLIGHT * job.nbytes
 
 
 STREAMS = {
@@ -162,8 +176,8 @@ STREAMS = {
     for s in (
         Stream("rows", _rows_pieces, _rows_memory, "a slab of rows at a time"),
         Stream("each", _each_pieces, _each_memory, "one source after another"),
-        # numba's compiled repack kernel and LLVM: measured 70 MiB on x86-64 (benchmarks: rss)
-        Stream("mxfp4", _mxfp4_pieces, _mxfp4_memory, "one expert repacked at a time", fixed=70 << 20),
+        # numba and its compiled repack kernel: 63 MiB measured on x86-64 (`benchmarks/run.py fullscale`)
+        Stream("mxfp4", _mxfp4_pieces, _mxfp4_memory, "one expert repacked at a time", fixed=63 << 20),
         Stream("whole", _whole_pieces, _whole_memory, "all sources read whole, transformed once"),
     )
 }
@@ -185,13 +199,11 @@ class Transform:
 
 
 def job_memory(jobs: Sequence[Any]) -> int:
-    """Bytes a conversion holds at once for a file of these tensor jobs: the source pieces alive at
-    once (sized by the largest read), the largest transient allocation, and compiled code."""
+    """Bytes a conversion holds at once for a file of these tensor jobs (one tensor at a time, so the
+    largest), plus compiled code its streams load."""
     if not jobs:
         return 0
-    reads, transient = zip(*(j.memory() for j in jobs))
-    fixed = max(j.transform.stream.fixed for j in jobs)
-    return fixed + MAPPED_PIECES * max(reads) + max(transient)
+    return max(j.transform.stream.fixed for j in jobs) + max(j.memory() for j in jobs)
 
 
 def copy(x: np.ndarray, cfg: K3Config | None = None) -> np.ndarray:

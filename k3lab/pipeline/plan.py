@@ -470,8 +470,8 @@ def ensure_plan(
 # --- memory ------------------------------------------------------------------------------------------
 
 # a converting process's Python, numpy, gguf, huggingface_hub and the plan before any tensor
-# (measured 115 MiB for the embeddings shard of `synth --preset full`; `benchmarks/run.py rss`)
-BASE_RSS = 115 * 1024 * 1024
+# (104 MiB measured converting a tiny shard without experts; `benchmarks/run.py fullscale`)
+BASE_RSS = 104 * 1024 * 1024
 
 
 def file_memory(pf: PlannedFile, entries: list[TensorEntry]) -> int:
