@@ -32,9 +32,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _tokenizer(args: argparse.Namespace) -> int:
-    from k3lab.kimi_k3.tokenizer import write_tokenizer_gguf
+    from k3lab.kimi_k3.tokenizer import chat_template_choice, write_tokenizer_gguf
 
-    print(write_tokenizer_gguf(args.meta, args.out))
+    template, line = chat_template_choice(args.meta, args.chat_template)
+    print(line)
+    print(write_tokenizer_gguf(args.meta, args.out, template))
     return 0
 
 
@@ -67,11 +69,14 @@ def _source_spec(args: argparse.Namespace) -> SourceSpec:
     return SourceSpec(str(args.meta), src_dir=str(args.src or args.meta))
 
 
-def _run_options(args: argparse.Namespace) -> RunOptions:
-    from k3lab.kimi_k3.tokenizer import read_chat_template
+def _run_options(args: argparse.Namespace, say: bool = False) -> RunOptions:
+    """--outtype, --name, --force, and the chat template to embed (the choice printed when ``say``)."""
+    from k3lab.kimi_k3.tokenizer import chat_template_choice
     from k3lab.pipeline.runner import RunOptions
 
-    template = read_chat_template(args.chat_template) if getattr(args, "chat_template", None) else None
+    template, line = chat_template_choice(args.meta, args.chat_template)
+    if say:
+        print(line)
     return RunOptions(args.outtype, getattr(args, "name", "Kimi-K3"), template, getattr(args, "force", False))
 
 
@@ -107,7 +112,7 @@ def _convert(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         raise K3LabError(f"--jobs {args.jobs}: give 1 or more")
     spec = _source_spec(args)
-    options = _run_options(args)
+    options = _run_options(args, say=not args.quiet)
     results = convert_shards(
         spec,
         args.out_dir,
@@ -244,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--meta", required=True, help="folder with config.json, tiktoken.model, tokenizer_config.json"
     )
     t.add_argument("--out", required=True, help="output .gguf")
+    t.add_argument(
+        "--chat-template", metavar="FILE", help="a Jinja chat template to embed (wins over the source's own)"
+    )
     t.set_defaults(func=_tokenizer)
 
     pl = sub.add_parser("plan", help="what the conversion will write, from config, index and headers alone")

@@ -64,6 +64,8 @@ TEXT_OPTIONAL: dict[str, str] = {
     "mla_use_nope": BOOL,
     "rope_theta": POS_FLOAT,
     "quantization_config": OBJ,
+    "n_group": POS_INT,
+    "topk_group": POS_INT,
 }
 LINEAR_ATTN_REQUIRED: dict[str, str] = {
     "full_attn_layers": INT_LIST,

@@ -48,6 +48,13 @@ def hyperparameters(cfg: K3Config) -> list[KV]:
         KV(f"{ARCH}.attention.layer_norm_rms_epsilon", t["rms_norm_eps"], F32),
         KV(f"{ARCH}.expert_count", cfg.n_expert, U32),
         KV(f"{ARCH}.expert_used_count", t["num_experts_per_token"], U32),
+        # grouped routing, as upstream writes it when the config names it
+        *([KV(f"{ARCH}.expert_group_count", t["n_group"], U32)] if t.get("n_group") is not None else []),
+        *(
+            [KV(f"{ARCH}.expert_group_used_count", t["topk_group"], U32)]
+            if t.get("topk_group") is not None
+            else []
+        ),
         KV(f"{ARCH}.expert_gating_func", EXPERT_GATING_SIGMOID, U32),
         KV(f"{ARCH}.vocab_size", cfg.n_vocab, U32),
         KV(f"{ARCH}.ssm.conv_kernel", cfg.linear_attn["short_conv_kernel_size"], U32),
@@ -83,24 +90,56 @@ def hyperparameters(cfg: K3Config) -> list[KV]:
     return kvs
 
 
-def general(cfg: K3Config, name: str, file_type: str) -> list[KV]:
-    return [
+def size_label(tensors: list[tuple[str, tuple[int, ...]]]) -> str:
+    """gguf-py's parameter class (``8x1.4M``, ``2.8T``), counted as upstream's writer counts it: a
+    stacked ``*_exps`` tensor contributes one expert's parameters, everything else all of its own."""
+    import gguf
+
+    total = shared = expert = expert_sum = n_expert_tensors = 0
+    for name, shape in tensors:  # shape in numpy order, values (not bytes)
+        size = 1
+        for d in shape:
+            size *= d
+        total += size
+        if "_exps." in name and len(shape) >= 3:
+            n = shape[-2] if ".bias" in name else shape[-3]
+            expert += size // n
+            expert_sum += n
+            n_expert_tensors += 1
+        else:
+            shared += size
+    count = expert_sum // n_expert_tensors if n_expert_tensors else 0
+    return gguf.size_label(total, shared, expert, count)
+
+
+def general(cfg: K3Config, name: str, file_type: str, size: str | None = None) -> list[KV]:
+    kvs = [
         KV("general.architecture", ARCH, GGUFValueType.STRING),
+        KV("general.type", "model", GGUFValueType.STRING),
         KV("general.name", name, GGUFValueType.STRING),
+    ]
+    if size:
+        kvs.append(KV("general.size_label", size, GGUFValueType.STRING))
+    return kvs + [
         KV("general.file_type", FILE_TYPE[file_type], U32),
         KV("general.quantization_version", 2, U32),
     ]
 
 
 def model_kvs(
-    cfg: K3Config, meta_dir: str | Path, name: str, file_type: str, chat_template: str | None = None
+    cfg: K3Config,
+    meta_dir: str | Path,
+    name: str,
+    file_type: str,
+    chat_template: str | None = None,
+    size: str | None = None,
 ) -> list[KV]:
     """Everything the first file of a split set (or the standalone tokenizer GGUF) carries besides
     the split keys: general.*, every kimi-k3.* hyperparameter and the tokenizer. ``chat_template``
-    (a template's text) replaces the source's own."""
+    (a template's text) replaces the source's own; ``size`` is the size label."""
     from k3lab.kimi_k3.tokenizer import build_vocabulary
 
     vocab = build_vocabulary(meta_dir, cfg)
     if chat_template is not None:
         vocab.chat_template = chat_template
-    return general(cfg, name, file_type) + hyperparameters(cfg) + vocab.kvs()
+    return general(cfg, name, file_type, size) + hyperparameters(cfg) + vocab.kvs()

@@ -132,6 +132,30 @@ def read_chat_template(path: str | Path) -> str:
     return text
 
 
+def chat_template_choice(meta_dir: str | Path, flag: str | Path | None = None) -> tuple[str | None, str]:
+    """The chat template to embed and one line saying where it comes from: ``--chat-template FILE``
+    wins, else the source's own (``tokenizer_config.json``, then ``chat_template.jinja``), else none."""
+    meta_dir = Path(meta_dir)
+    if (meta_dir / "tokenizer_config.json").is_file():
+        _, tok_cfg = read_specials(meta_dir / "tokenizer_config.json")
+        own = source_chat_template(meta_dir, tok_cfg)
+    else:  # (not fetched from the Hub yet)
+        tok_cfg, own = {}, None
+    if flag is not None:
+        text = read_chat_template(flag)
+        return (
+            text,
+            f"chat template: {flag} (--chat-template{', replacing the source' + chr(39) + 's own' if own else ''})",
+        )
+    if own is not None:
+        where = "tokenizer_config.json" if tok_cfg.get("chat_template") else "chat_template.jinja"
+        return None, f"chat template: the source's own ({meta_dir / where})"
+    return None, (
+        "chat template: none (the checkpoint ships none; Kimi-K3 renders chats in Python): llama.cpp then "
+        "needs one at run time (llama-server --jinja --chat-template-file FILE), or embed one with --chat-template FILE"
+    )
+
+
 def source_chat_template(meta_dir: Path, tok_cfg: dict) -> str | None:
     """The checkpoint's own chat template: ``tokenizer_config.json``'s, else ``chat_template.jinja``."""
     if tok_cfg.get("chat_template"):
@@ -295,11 +319,14 @@ def build_vocabulary(meta_dir: str | Path, cfg: K3Config | None = None) -> Vocab
     )
 
 
-def write_tokenizer_gguf(meta_dir: str | Path, out: str | Path) -> Path:
-    """A standalone GGUF: the vocabulary plus every ``kimi-k3.*`` hyperparameter, no tensors."""
+def write_tokenizer_gguf(meta_dir: str | Path, out: str | Path, chat_template: str | None = None) -> Path:
+    """A standalone GGUF: the vocabulary plus every ``kimi-k3.*`` hyperparameter, no tensors.
+    ``chat_template`` (a template's text) replaces the source's own."""
     from k3lab.formats.gguf_stream import write_metadata_only
     from k3lab.kimi_k3.keys import ARCH, model_kvs
 
     cfg = K3Config.load(meta_dir)
-    kvs = model_kvs(cfg, meta_dir, "Kimi-K3 tokenizer", "MXFP4_MOE" if cfg.is_mxfp4 else "BF16")
+    kvs = model_kvs(
+        cfg, meta_dir, "Kimi-K3 tokenizer", "MXFP4_MOE" if cfg.is_mxfp4 else "BF16", chat_template
+    )
     return write_metadata_only(out, ARCH, kvs)

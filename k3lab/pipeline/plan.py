@@ -29,7 +29,7 @@ from k3lab.formats.gguf_stream import KV, TensorInfo, kvs_from_json, kvs_to_json
 from k3lab.formats.manifest import atomic_write_json
 from k3lab.formats.safetensors import TensorEntry
 from k3lab.kimi_k3.config import K3Config
-from k3lab.kimi_k3.keys import model_kvs
+from k3lab.kimi_k3.keys import model_kvs, size_label
 from k3lab.kimi_k3.rules import RULES, RULES_DIGEST, TEXT_PREFIX, Rule, expert_dims, layer_of
 from k3lab.kimi_k3.transforms import TRANSFORMS, TensorJob, TransformError, job_memory
 from k3lab.pipeline.sources import meta_fingerprint
@@ -354,7 +354,8 @@ def build_plan(
 
 def plan_kvs(plan: Plan, meta_dir: str | Path, chat_template: str | None = None) -> list[KV]:
     """File 1's metadata, besides the split keys."""
-    return model_kvs(plan.cfg, meta_dir, f"{plan.basename} {plan.label}", plan.file_type, chat_template)
+    size = size_label([(t.name, t.info.shape) for f in plan.files for t in f.tensors])
+    return model_kvs(plan.cfg, meta_dir, f"{plan.basename} {plan.label}", plan.file_type, chat_template, size)
 
 
 def kvs_digest(kvs: list[KV]) -> str:
