@@ -146,6 +146,12 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _lab(args: argparse.Namespace) -> int:
+    from k3lab.lab import run_lab
+
+    return run_lab(args.jupyter_args)
+
+
 def _tensor_map(args: argparse.Namespace) -> int:
     from k3lab.tensor_map import tensor_map_markdown
 
@@ -327,6 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--meta", help="config/index folder for --src (default: --src)")
     v.add_argument("--quiet", action="store_true")
     v.set_defaults(func=_verify)
+
+    lb = sub.add_parser(
+        "lab", help="JupyterLab on the notebooks (from anywhere, as root too; saved without outputs)"
+    )
+    lb.add_argument("jupyter_args", nargs=argparse.REMAINDER, help="passed to `jupyter lab` as they are")
+    lb.set_defaults(func=_lab)
 
     tm = sub.add_parser("tensor-map", help="the HF -> GGUF tensor table (TENSOR_MAP.md) from the rule table")
     tm.set_defaults(func=_tensor_map)

@@ -7,14 +7,18 @@ source tensor becomes, so a row here and a line of TENSOR_MAP.md always agree.
 
 from __future__ import annotations
 
+import html
 import json
+import os
 import re
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from k3lab.errors import K3LabError
 from k3lab.formats import mxfp4
 from k3lab.formats.manifest import MANIFEST_NAME
 from k3lab.formats.numerics import bf16_bits_to_f32
@@ -25,6 +29,30 @@ from k3lab.pipeline.sources import LocalSource, SourceSpec
 from k3lab.pipeline.vision import plan_vision
 
 OUTLIER_LOW, OUTLIER_HIGH = 0, 250  # E8M0 bytes worth a look: an all-zero block, or ~2**123
+HOME_ENV = "K3LAB_HOME"  # set by `k3lab lab`: where the notebooks' relative paths start
+
+
+def home() -> Path:
+    """Where a notebook's relative paths (``k3-demo/src``) start, whatever the kernel's working
+    folder: $K3LAB_HOME (`k3lab lab` sets it), else the repository this k3lab is installed from, else
+    the working folder."""
+    env = os.environ.get(HOME_ENV)
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parent.parent
+    return repo if (repo / "notebooks").is_dir() and (repo / "pyproject.toml").is_file() else Path.cwd()
+
+
+def resolve(path: str | Path) -> Path:
+    """A notebook parameter as a path: absolute as given, relative from ``home()``."""
+    path = Path(path)
+    return path if path.is_absolute() else home() / path
+
+
+def save_result(result: dict[str, Any], path: str | Path | None) -> None:
+    """What a notebook computed, for tests and batch runs, into a file (never printed on the page)."""
+    if path:
+        Path(path).write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
 
 
 def open_conversion(meta: str | Path, src: str | Path, out_dir: str | Path) -> tuple[Plan, LocalSource]:
@@ -59,110 +87,134 @@ def open_checkpoint(src: str | Path, meta: str | Path | None = None) -> tuple[K3
     return K3Config.load(meta), LocalSource(src, meta)
 
 
-def _planned_by_source(plan: Plan) -> dict[str, Any]:
-    out = {}
+def planned_by_source(plan: Plan) -> dict[str, list[tuple[Any, Any]]]:
+    """Source tensor -> every (file, output tensor) it feeds: ``kv_b_proj`` feeds both ``attn_k_b``
+    and ``attn_v_b``, and a row must show both."""
+    out: dict[str, list[tuple[Any, Any]]] = {}
     for f in plan.files:
         for t in f.tensors:
             for s in t.sources:
-                out[s] = (f, t)
+                out.setdefault(s, []).append((f, t))
     return out
 
 
-def shard_rows(cfg: K3Config, source: LocalSource, shard: int) -> list[dict[str, Any]]:
-    """One row per tensor of source shard ``shard`` (1-based): where it is, and what it becomes."""
+def shard_rows(
+    plan: Plan, source: LocalSource, shard: int, by_source: dict | None = None
+) -> list[dict[str, Any]]:
+    """One row per tensor of source shard ``shard`` (1-based): where it is, and what it becomes. Reads
+    that shard's header only (the plan is made once: ``open_conversion`` or ``plan_checkpoint``)."""
     files = source.files()
     fname = files[shard - 1]
     entries = sorted(source.header(fname).values(), key=lambda e: e.start)
-    mapped = _planned_by_source(build_plan(cfg, source))
+    mapped = by_source if by_source is not None else planned_by_source(plan)
     if not mapped.keys() & {e.name for e in entries}:
         try:
-            mapped = {s: (None, t) for t in plan_vision(cfg, source) for s in t.sources}
-        except Exception:  # not a vision shard either
+            mapped = {s: [(None, t)] for t in plan_vision(plan.cfg, source) for s in t.sources}
+        except K3LabError:  # not a vision shard either
             mapped = {}
     rows = []
     for e in entries:
-        f, t = mapped.get(e.name, (None, None))
+        targets = mapped.get(e.name, [])
         rows.append(
             {
                 "tensor": e.name,
                 "dtype": e.dtype,
-                "shape": list(e.shape),
+                "shape": e.shape,
                 "offset": e.start,
                 "bytes": e.nbytes,
-                "gguf": t.name if t else "",
-                "gguf type": t.info.type.name if t else "",
-                "gguf ne": list(t.info.ne) if t else [],
-                "transform": t.transform if t else "",
-                "file": f.filename if f else ("mmproj" if t else ""),
+                "gguf": " + ".join(t.name for _, t in targets),
+                "gguf type": " + ".join(t.info.type.name for _, t in targets),
+                "gguf ne": " + ".join(str(list(t.info.ne)) for _, t in targets),
+                "transform": " + ".join(t.transform for _, t in targets),
+                "file": targets[0][0].filename
+                if targets and targets[0][0]
+                else ("mmproj" if targets else ""),
             }
         )
     return rows
 
 
-def layer_of(name: str) -> int | None:
-    m = re.search(r"layers\.(\d+)\.", name)
-    return int(m.group(1)) if m else None
+def plan_checkpoint(src: str | Path, meta: str | Path | None = None) -> tuple[Plan, LocalSource]:
+    """The plan of a checkpoint, made in memory (no output folder): every source tensor's target."""
+    meta = meta or src
+    source = LocalSource(src, meta)
+    return build_plan(K3Config.load(meta), source), source
 
 
-def expert_scales(source: LocalSource, layer: int, proj: str) -> np.ndarray:
-    """E8M0 scale bytes of every routed expert of one projection: uint8 [n_expert, rows, blocks]."""
+def _expert_names(
+    source: LocalSource, layer: int, proj: str, part: str = "weight_scale"
+) -> list[tuple[int, str]]:
     pat = re.compile(
-        rf"language_model\.model\.layers\.{layer}\.block_sparse_moe\.experts\.(\d+)\.{proj}\.weight_scale$"
+        rf"language_model\.model\.layers\.{layer}\.block_sparse_moe\.experts\.(\d+)\.{proj}\.{part}$"
     )
-    names = sorted((int(m.group(1)), n) for n in source.weight_map if (m := pat.match(n)))
-    return np.stack([np.asarray(source.array(n)) for _, n in names])
+    return sorted((int(m.group(1)), n) for n in source.weight_map if (m := pat.match(n)))
+
+
+@dataclass
+class ScaleStats:
+    """One projection of one MoE layer, every expert: how often each scale byte occurs, the mean
+    exponent per expert and block column, and the outlier blocks (byte 0, or >= 250)."""
+
+    layer: int
+    proj: str
+    counts: np.ndarray  # int64 [256]: blocks per scale byte
+    means: np.ndarray  # float32 [n_expert, blocks per row]: mean exponent over rows
+    outliers: list[dict[str, int]]
+
+    def summary(self) -> dict[str, Any]:
+        byte = np.arange(256)
+        valid = self.counts.copy()
+        valid[255] = 0  # E8M0's NaN, not a scale
+        n = int(valid.sum())
+        mean = float((valid * byte).sum() / max(n, 1))
+        std = float(np.sqrt((valid * (byte - mean) ** 2).sum() / max(n, 1)))
+        present = np.nonzero(valid)[0]
+        return {
+            "layer": self.layer,
+            "proj": PROJ_NAMES.get(self.proj, self.proj),
+            "mean exponent": round(mean - 127, 2),
+            "std": round(std, 2),
+            "min exponent": int(present.min()) - 127 if present.size else None,
+            "max exponent": int(present.max()) - 127 if present.size else None,
+            "blocks": n,
+        }
+
+
+PROJ_NAMES = {"w1": "gate (w1)", "w2": "down (w2)", "w3": "up (w3)"}
+
+
+def scale_stats(source: LocalSource, layer: int, proj: str, outlier_limit: int = 50) -> ScaleStats:
+    """Streams the experts one at a time (memory: one expert's scales), counting with bincount on
+    the uint8 bytes as they are: no copy of a whole stack, no float64 of it."""
+    counts = np.zeros(256, dtype=np.int64)
+    rows_means: list[np.ndarray] = []
+    outliers: list[dict[str, int]] = []
+    for e, name in _expert_names(source, layer, proj):
+        sc = np.asarray(source.array(name))
+        counts += np.bincount(sc.ravel(), minlength=256)
+        rows_means.append(sc.mean(axis=0, dtype=np.float32) - 127)
+        if len(outliers) < outlier_limit:
+            for r, b in zip(*np.nonzero((sc == OUTLIER_LOW) | (sc >= OUTLIER_HIGH))):
+                outliers.append(
+                    {
+                        "layer": layer,
+                        "proj": proj,
+                        "expert": e,
+                        "row": int(r),
+                        "block": int(b),
+                        "byte": int(sc[r, b]),
+                    }
+                )
+                if len(outliers) >= outlier_limit:
+                    break
+    means = np.stack(rows_means) if rows_means else np.zeros((0, 0), np.float32)
+    return ScaleStats(layer, proj, counts, means, outliers)
 
 
 def expert_codes(source: LocalSource, layer: int, proj: str, expert: int = 0) -> np.ndarray:
     """The FP4 codes (0..15) of one expert matrix."""
     name = f"language_model.model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.weight_packed"
     return mxfp4.unpack_codes(np.asarray(source.array(name)))
-
-
-def scale_summary(source: LocalSource, cfg: K3Config) -> list[dict[str, Any]]:
-    """Per MoE layer and projection: mean, spread and extremes of the E8M0 exponents."""
-    rows = []
-    for layer in range(cfg.n_layer):
-        if not cfg.is_moe(layer):
-            continue
-        for proj in ("w1", "w2", "w3"):
-            s = expert_scales(source, layer, proj).astype(np.int32)
-            rows.append(
-                {
-                    "layer": layer,
-                    "proj": proj,
-                    "mean exponent": float(s.mean() - 127),
-                    "std": float(s.std()),
-                    "min byte": int(s.min()),
-                    "max byte": int(s.max()),
-                    "blocks": int(s.size),
-                }
-            )
-    return rows
-
-
-def scale_outliers(source: LocalSource, cfg: K3Config, limit: int = 50) -> list[dict[str, Any]]:
-    """Blocks whose scale byte is 0 (an all-zero block) or >= 250 (a value near 2**123)."""
-    out = []
-    for layer in range(cfg.n_layer):
-        if not cfg.is_moe(layer):
-            continue
-        for proj in ("w1", "w2", "w3"):
-            s = expert_scales(source, layer, proj)
-            for e, r, b in zip(*np.nonzero((s == OUTLIER_LOW) | (s >= OUTLIER_HIGH))):
-                out.append(
-                    {
-                        "layer": layer,
-                        "proj": proj,
-                        "expert": int(e),
-                        "row": int(r),
-                        "block": int(b),
-                        "byte": int(s[e, r, b]),
-                    }
-                )
-                if len(out) >= limit:
-                    return out
-    return out
 
 
 def first_block(
@@ -274,14 +326,33 @@ def manifest_summary(out_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def html_table(rows: list[dict[str, Any]], max_rows: int = 60) -> str:
-    """Rows as an HTML table for a notebook (no pandas needed)."""
+def _cell(v: Any) -> str:
+    if isinstance(v, bool) or v is None:
+        return "" if v is None else str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_cell(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return ", ".join(f"{k}: {_cell(x)}" for k, x in v.items())
+    return html.escape(str(v))
+
+
+def html_table(rows: list[dict[str, Any]], max_height: int = 420) -> str:
+    """Rows as an HTML table for a notebook (no pandas needed): numbers readable (thousands
+    separators, 4 significant digits), every row there, in a box that scrolls both ways instead of
+    running off the page."""
     if not rows:
         return "<p><i>(no rows)</i></p>"
     cols = list(rows[0])
-    head = "".join(f"<th>{c}</th>" for c in cols)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{r.get(c, '')}</td>" for c in cols) + "</tr>" for r in rows[:max_rows]
+    head = "".join(
+        f"<th style='position:sticky;top:0;background:var(--jp-layout-color1,#fff)'>{c}</th>" for c in cols
     )
-    more = f"<p><i>{len(rows) - max_rows} more rows</i></p>" if len(rows) > max_rows else ""
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{more}"
+    body = "".join("<tr>" + "".join(f"<td>{_cell(r.get(c, ''))}</td>" for c in cols) + "</tr>" for r in rows)
+    return (
+        f"<div style='max-height:{max_height}px;overflow:auto;max-width:100%'>"
+        f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+        f"<p style='font-size:smaller'>{len(rows):,} rows</p>"
+    )

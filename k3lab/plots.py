@@ -11,31 +11,39 @@ from matplotlib.ticker import MaxNLocator
 from k3lab.formats.mxfp4 import E2M1_VALUES
 
 
-def scale_histograms(scales: dict[tuple[int, str], np.ndarray]) -> Figure:
-    """E8M0 exponents (byte - 127) per (layer, projection), one panel per projection."""
-    projs = sorted({p for _, p in scales})
+def scale_histograms(counts: dict[tuple[int, str], np.ndarray]) -> Figure:
+    """E8M0 exponents (byte - 127) per (layer, projection), one panel per projection, from the number
+    of blocks per scale byte (``inspect.ScaleStats.counts``)."""
+    projs = sorted({p for _, p in counts})
     fig = Figure(figsize=(4.2 * len(projs), 3.4), layout="constrained")
     axes = fig.subplots(1, len(projs), sharey=True, squeeze=False)[0]
     names = {"w1": "gate (w1)", "w2": "down (w2)", "w3": "up (w3)"}
     for ax, proj in zip(axes, projs):
-        panel = {layer: s.ravel() for (layer, p), s in sorted(scales.items()) if p == proj}
-        # exponents; 255 is E8M0's NaN, not a scale
-        exps = {layer: s[s != 255].astype(np.int32) - 127 for layer, s in panel.items()}
-        every = np.concatenate(list(exps.values()))
+        panel = {layer: c.astype(np.int64).copy() for (layer, p), c in sorted(counts.items()) if p == proj}
+        for c in panel.values():
+            c[255] = 0  # E8M0's NaN, not a scale
+        every = sum(panel.values())
+        present = np.nonzero(every)[0]
+        if not present.size:
+            continue
         # the axis spans the bulk: a few far outliers would squeeze every histogram into one bar
-        p_lo, p_hi = np.percentile(every, [0.1, 99.9])
-        lo, hi = max(int(every.min()), int(p_lo) - 2), min(int(every.max()), int(p_hi) + 2)
-        bins = np.arange(lo - 0.5, hi + 1.5)
-        for layer, e in exps.items():
-            ax.hist(e, bins=bins, histtype="step", label=f"layer {layer}", density=True)
-        outside = int(((every < lo) | (every > hi)).sum())
+        cdf = np.cumsum(every) / every.sum()
+        p_lo, p_hi = int(np.searchsorted(cdf, 0.001)), int(np.searchsorted(cdf, 0.999))
+        lo, hi = max(int(present.min()), p_lo - 2), min(int(present.max()), p_hi + 2)
+        for layer, c in panel.items():
+            share = c[lo : hi + 1] / max(c.sum(), 1)
+            ax.stairs(share, np.arange(lo, hi + 2) - 127.5, label=f"layer {layer}")
+        outside = int(every[:lo].sum() + every[hi + 1 :].sum())
         if outside:
             note = (
-                f"{outside} block{'s' * (outside > 1)} off the axis\n(min {every.min()}, max {every.max()})"
+                f"{outside:,} block{'s' * (outside > 1)} left off: exponents from "
+                f"{int(present.min()) - 127} to {int(present.max()) - 127}"
             )
-            ax.text(0.02, 0.97, note, transform=ax.transAxes, va="top", fontsize="small")
+            ax.text(0.02, 0.97, note, transform=ax.transAxes, va="top", fontsize="small", wrap=True)
+        ax.set_xlim(lo - 127.5, hi - 127 + 0.5)
         ax.set_title(f"E8M0 scale exponents, {names.get(proj, proj)}")
         ax.set_xlabel("exponent (scale byte - 127)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize="small")
     axes[0].set_ylabel("fraction of 32-value blocks")
     return fig
@@ -54,13 +62,14 @@ def code_histogram(codes: np.ndarray, title: str = "FP4 (E2M1) codes") -> Figure
     return fig
 
 
-def scale_heatmap(scales: np.ndarray, title: str) -> Figure:
-    """Mean scale exponent per expert (rows) and block column (columns)."""
-    data = scales.astype(np.float32).mean(axis=1) - 127  # [expert, block]
-    fig = Figure(figsize=(8, 0.35 * data.shape[0] + 1.6), layout="constrained")
+def scale_heatmap(means: np.ndarray, title: str) -> Figure:
+    """Mean scale exponent per expert (rows) and block column (columns): ``ScaleStats.means``."""
+    data = means
+    fig = Figure(figsize=(8, min(9.0, 0.35 * data.shape[0] + 1.6)), layout="constrained")
     ax = fig.subplots()
     im = ax.imshow(data, aspect="auto", cmap="viridis", interpolation="nearest")
-    ax.set_xticks(range(data.shape[1]))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("block column (32 input values each)")
     ax.set_ylabel("expert")
     ax.set_title(title)

@@ -117,11 +117,15 @@ def test_scale_histogram_keeps_far_outliers_off_the_axis_and_says_so() -> None:
     bulk = (127 - 4 + rng.integers(-3, 3, (64, 32))).astype(np.uint8)
     with_outlier = bulk.copy()
     with_outlier[0, 0] = 0
-    fig = scale_histograms({(1, "w1"): bulk, (1, "w3"): with_outlier})
+    counts = {
+        (1, "w1"): np.bincount(bulk.ravel(), minlength=256),
+        (1, "w3"): np.bincount(with_outlier.ravel(), minlength=256),
+    }
+    fig = scale_histograms(counts)
     plain, squeezed = fig.axes
     assert plain.get_xlim()[0] > -10 and squeezed.get_xlim()[0] > -10
     assert [t.get_text() for t in plain.texts] == []
-    assert [t.get_text() for t in squeezed.texts] == ["1 block off the axis\n(min -127, max -2)"]
+    assert [t.get_text() for t in squeezed.texts] == ["1 block left off: exponents from -127 to -2"]
 
 
 def test_vision_block_plot_counts_blocks_in_whole_numbers() -> None:

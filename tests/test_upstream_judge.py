@@ -15,7 +15,9 @@ Run with: make test-slow (or pytest -m slow tests/test_upstream_judge.py).
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -24,6 +26,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from conftest import convert
 
 pytestmark = pytest.mark.slow
 
@@ -99,28 +102,25 @@ def judge() -> tuple[Path, Path]:
     return python, vendor
 
 
+@pytest.mark.parametrize("variant", ["as synthesised", "with grouped routing"])
 def test_every_tensor_and_key_upstream_writes_is_in_k3labs_set(
-    judge: tuple[Path, Path], tiny_src: Path, tiny_out: Path, tmp_path: Path
+    judge: tuple[Path, Path], tiny_src: Path, tmp_path: Path, variant: str
 ) -> None:
     python, vendor = judge
+    src = tmp_path / "src"
+    shutil.copytree(tiny_src, src)
+    if variant == "with grouped routing":  # upstream writes the group keys when the config has them
+        cfg = json.loads((src / "config.json").read_text())
+        cfg["text_config"].update(n_group=2, topk_group=1)
+        (src / "config.json").write_text(json.dumps(cfg))
+    assert convert(src, tmp_path / "out") == 0
     theirs = tmp_path / "upstream.gguf"
-    _run(
-        [
-            str(python),
-            "-c",
-            LAUNCHER,
-            str(vendor),
-            str(tiny_src),
-            "--outfile",
-            str(theirs),
-            "--outtype",
-            "bf16",
-        ],
-        timeout=1800,
-        env={**os.environ, "PYTHONPATH": ""},
-    )
+    cmd = [str(python), "-c", LAUNCHER, str(vendor), str(src), "--outfile", str(theirs), "--outtype", "bf16"]
+    _run(cmd, timeout=1800, env={**os.environ, "PYTHONPATH": ""})
     up = gguf.GGUFReader(theirs)
-    ours_files = [gguf.GGUFReader(p) for p in sorted(tiny_out.glob("Kimi-K3-*-of-*.gguf"))]
+    if variant == "with grouped routing":
+        assert up.fields["kimi-k3.expert_group_used_count"].contents() == 1
+    ours_files = [gguf.GGUFReader(p) for p in sorted((tmp_path / "out").glob("Kimi-K3-*-of-*.gguf"))]
     ours = {t.name: t for r in ours_files for t in r.tensors}
 
     # every tensor: name, type, shape, bytes (exp may differ by an ulp between torch and numpy)
