@@ -306,24 +306,48 @@ def tokenize_with_merges(meta: str | Path, text: str) -> dict[str, Any]:
 
 
 def manifest_summary(out_dir: str | Path) -> list[dict[str, Any]]:
-    """Per output file of a converted set: tensors, bytes, types, and where the tensors came from."""
-    man = json.loads((Path(out_dir) / MANIFEST_NAME).read_text())
+    """Per output file of a converted set: status, tensors, bytes, types and the source shard; files the
+    saved plan has but the manifest does not are listed as not converted."""
+    from k3lab.pipeline.plan import PlanError, load_plan
+
+    out_dir = Path(out_dir)
+    man = json.loads((out_dir / MANIFEST_NAME).read_text())
     rows = []
     for rec in man["files"]:
         types = Counter(t["type"] for t in rec["tensors"])
-        sources = {s["file"] for t in rec["tensors"] for s in t["sources"]}
+        sources = sorted({src["file"] for t in rec["tensors"] for src in t["sources"]})
+        on_disk = (out_dir / rec["file"]).exists()
         rows.append(
             {
                 "file": rec["file"],
                 "kind": rec.get("kind", "text"),
+                "status": "converted" if on_disk else "missing",
                 "tensors": len(rec["tensors"]),
                 "bytes": rec["size"],
-                "types": dict(sorted(types.items())),
-                "from": sorted(sources),
-                "on disk": (Path(out_dir) / rec["file"]).exists(),
+                "types": ", ".join(f"{k} {v}" for k, v in sorted(types.items())),
+                "from": ", ".join(sources[:2]) + (f" (+{len(sources) - 2})" if len(sources) > 2 else ""),
             }
         )
-    return rows
+    try:
+        plan = load_plan(out_dir)
+    except PlanError:
+        return rows
+    listed = {r["file"] for r in rows}
+    for f in plan.files:
+        if f.filename not in listed:
+            types = Counter(t.info.type.name for t in f.tensors)
+            rows.append(
+                {
+                    "file": f.filename,
+                    "kind": "text",
+                    "status": "not converted",
+                    "tensors": len(f.tensors),
+                    "bytes": f.nbytes,
+                    "types": ", ".join(f"{k} {v}" for k, v in sorted(types.items())),
+                    "from": f.source_file,
+                }
+            )
+    return sorted(rows, key=lambda r: (r["kind"] != "text", r["file"]))
 
 
 def _cell(v: Any) -> str:

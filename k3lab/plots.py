@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from k3lab.formats.mxfp4 import E2M1_VALUES
@@ -98,12 +99,50 @@ def file_sizes(rows: list[dict[str, Any]]) -> Figure:
     ax.bar(
         range(len(rows)),
         [r["bytes"] / 2**20 for r in rows],
-        color=["tab:green" if r["on disk"] else "tab:red" for r in rows],
+        color=[{"converted": "tab:green", "missing": "tab:red"}.get(r["status"], "0.7") for r in rows],
     )
     ax.set_xticks(
         range(len(rows)), [r["file"].split("-")[-3] if r["kind"] == "text" else "mmproj" for r in rows]
     )
     ax.set_xlabel("output file (split number)")
     ax.set_ylabel("MiB")
-    ax.set_title("converted files (red: recorded but missing)")
+    ax.set_title("output files (green: converted, red: recorded but missing, grey: not converted yet)")
+    return fig
+
+
+def block_permutation(source_bytes: bytes, scale: int, ggml_bytes: bytes) -> Figure:
+    """One 32-value MXFP4 block before and after the repack, nibble by nibble, each nibble coloured by
+    the element it holds: the scale byte is copied first, then element j and j+16 share byte j."""
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab20"]
+    fig = Figure(figsize=(13, 3.0), layout="constrained")
+    ax = fig.subplots()
+
+    def draw(y: float, cells: list[tuple[str, list[int]]], title: str) -> None:
+        # cells: (label, [element of the low nibble, element of the high nibble]) or the scale byte
+        for i, (label, elems) in enumerate(cells):
+            if not elems:  # the scale byte
+                ax.add_patch(Rectangle((i, y), 1, 0.8, facecolor="0.85", edgecolor="k"))
+                ax.text(i + 0.5, y + 0.4, label, ha="center", va="center", fontsize=7)
+                continue
+            for half, e in enumerate(elems):  # high nibble drawn on the left, as a byte is written
+                x = i + (0.5 if half == 0 else 0.0)
+                ax.add_patch(Rectangle((x, y), 0.5, 0.8, facecolor=cmap(e % 20), edgecolor="k", lw=0.5))
+                ax.text(x + 0.25, y + 0.4, str(e), ha="center", va="center", fontsize=7)
+        ax.text(-0.3, y + 0.4, title, ha="right", va="center", fontsize=9)
+
+    src = [(f"{b:02x}", [2 * m, 2 * m + 1]) for m, b in enumerate(source_bytes)]
+    src.append((f"scale\n{scale:02x}", []))
+    dst = [(f"scale\n{ggml_bytes[0]:02x}", [])] + [
+        (f"{b:02x}", [j, j + 16]) for j, b in enumerate(ggml_bytes[1:])
+    ]
+    draw(1.2, src, "compressed-tensors\n(16 bytes + scale)")
+    draw(0.0, dst, "ggml block_mxfp4\n(scale + 16 bytes)")
+    ax.set_xlim(-4.5, 17.2)
+    ax.set_ylim(-0.3, 2.3)
+    ax.axis("off")
+    ax.set_title(
+        "each box is a nibble, numbered by the element (0-31) it holds; byte j of ggml holds elements j and j+16"
+    )
     return fig
