@@ -1,5 +1,14 @@
-# The README's two set-up commands live here so that README, CI and developers run the same thing.
-PY ?= python3
+# The README's set-up commands live here so that README, CI and developers run the same thing.
+# Outside a virtual environment, everything installs into ./.venv (current Debian and Ubuntu refuse
+# pip installs into the system Python, PEP 668); inside one (VIRTUAL_ENV set), that one is used.
+ifeq ($(VIRTUAL_ENV),)
+VENV := $(CURDIR)/.venv
+export PATH := $(VENV)/bin:$(PATH)
+PY := $(VENV)/bin/python
+else
+VENV :=
+PY := python
+endif
 # llama-cpp-python builds llama.cpp from source: only the library the binding needs, generic AVX2
 # code (the wheel pip caches then runs on any x86-64 machine of this kind), both cores.
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
@@ -7,18 +16,24 @@ export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXA
   -DGGML_FMA=ON -DGGML_F16C=ON
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: demo test test-slow bench lint
-demo:
+.PHONY: demo test test-slow bench lint lab venv
+venv:
+	@if [ -n "$(VENV)" ] && [ ! -x "$(PY)" ]; then python3 -m venv "$(VENV)"; fi
+
+demo: venv
 	$(PY) -m pip install -e . && k3lab demo
 
-test:
+test: venv
 	$(PY) -m pip install -e '.[test,llama]' && $(PY) -m pytest
 
-test-slow:
+test-slow: venv
 	$(PY) -m pytest -m slow
 
-bench:
+bench: venv
 	$(PY) benchmarks/run.py
 
-lint:
+lab: venv
+	k3lab lab
+
+lint: venv
 	ruff check . && ruff format --check .

@@ -14,6 +14,7 @@ from pathlib import Path
 from hub_server import HubServer
 
 REPO = "moonshotai/Kimi-K3"
+DASK = str(Path(sys.executable).parent / "dask")  # the `dask` command of this environment
 
 
 def _convert(
@@ -157,7 +158,7 @@ def test_every_dask_worker_streams_its_own_shards_from_the_hub(
     procs = [
         subprocess.Popen(
             [
-                "dask",
+                DASK,
                 "scheduler",
                 "--host",
                 "127.0.0.1",
@@ -182,7 +183,7 @@ def test_every_dask_worker_streams_its_own_shards_from_the_hub(
             procs.append(
                 subprocess.Popen(
                     [
-                        "dask",
+                        DASK,
                         "worker",
                         address,
                         "--nworkers",

@@ -47,6 +47,36 @@ def test_notebooks_are_stored_clean_and_parameterised() -> None:
         assert "import k3lab" in src or "from k3lab" in src
 
 
+def test_notebooks_are_stored_as_jupyter_saves_them() -> None:
+    """Canonical nbformat, as Jupyter writes a notebook, and clean as `k3lab lab`'s save hook leaves
+    it: opening one, running it and saving it in `k3lab lab` changes no byte (git status stays clean)."""
+    import nbformat
+
+    from k3lab.lab import clean_notebook, strip_outputs_on_save
+
+    for path in NOTEBOOKS:
+        raw = path.read_text()
+        nb = nbformat.reads(raw, as_version=4)
+        assert nbformat.writes(nb) + "\n" == raw or nbformat.writes(nb) == raw, f"{path.name}: not canonical"
+        # what JupyterLab sends on save after Run All: outputs, counts, run-time metadata
+        ran = nbformat.reads(raw, as_version=4)
+        for cell in ran.cells:
+            if cell.cell_type == "code":
+                cell.outputs = [nbformat.v4.new_output("stream", text="hello\n")]
+                cell.execution_count = 3
+                cell.metadata["execution"] = {"iopub.status.busy": "2026-11-30T00:00:00Z"}
+        ran.metadata["language_info"] = {"name": "python", "version": "3.99.0"}
+        ran.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
+        model = {"type": "notebook", "content": ran}
+
+        class Manager:
+            root_dir = str(ROOT)
+
+        strip_outputs_on_save(model, f"notebooks/{path.name}", Manager())
+        assert nbformat.writes(model["content"]) == nbformat.writes(nb), path.name
+        assert clean_notebook(nbformat.reads(raw, as_version=4)) == nb
+
+
 def run(name: str, tmp_path: Path, **params) -> Path:
     out = tmp_path / name
     papermill.execute_notebook(
