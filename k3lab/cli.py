@@ -32,11 +32,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _tokenizer(args: argparse.Namespace) -> int:
-    from k3lab.kimi_k3.tokenizer import chat_template_choice, write_tokenizer_gguf
+    from k3lab.kimi_k3.tokenizer import chat_template_choice
+    from k3lab.pipeline.vision import convert_tokenizer
 
     template, line = chat_template_choice(args.meta, args.chat_template)
     print(line)
-    print(write_tokenizer_gguf(args.meta, args.out, template))
+    print(convert_tokenizer(args.meta, args.out, template))
     return 0
 
 
@@ -337,8 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     lb = sub.add_parser(
         "lab", help="JupyterLab on the notebooks (from anywhere, as root too; saved without outputs)"
     )
-    lb.add_argument("jupyter_args", nargs=argparse.REMAINDER, help="passed to `jupyter lab` as they are")
-    lb.set_defaults(func=_lab)
+    lb.set_defaults(func=_lab, passes_unknown=True)  # other arguments go to `jupyter lab` as they are
 
     tm = sub.add_parser("tensor-map", help="the HF -> GGUF tensor table (TENSOR_MAP.md) from the rule table")
     tm.set_defaults(func=_tensor_map)
@@ -354,7 +354,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     from k3lab.pipeline.runner import Stopped, stop_on_sigterm
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "passes_unknown", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.jupyter_args = unknown
     if threading.current_thread() is threading.main_thread():
         stop_on_sigterm()
     try:

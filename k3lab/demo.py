@@ -11,11 +11,10 @@ import importlib.util
 import time
 from pathlib import Path
 
-from k3lab.kimi_k3.tokenizer import write_tokenizer_gguf
 from k3lab.pipeline.runner import convert_shards
 from k3lab.pipeline.sources import SourceSpec
 from k3lab.pipeline.verify import verify
-from k3lab.pipeline.vision import convert_vision
+from k3lab.pipeline.vision import convert_tokenizer, convert_vision
 from k3lab.synth import synthesize
 from k3lab.synth.report import describe
 from k3lab.util import human_bytes
@@ -59,7 +58,7 @@ def run_demo(workdir: str | Path, seed: int = 0, jobs: int = 2) -> int:
     )
 
     t = time.perf_counter()
-    tok = write_tokenizer_gguf(src, out / "Kimi-K3-tokenizer.gguf")
+    tok = convert_tokenizer(src, out / "Kimi-K3-tokenizer.gguf")
     step("tokenizer", t, f"{tok.name} ({human_bytes(tok.stat().st_size)})")
 
     t = time.perf_counter()
@@ -89,5 +88,5 @@ def run_demo(workdir: str | Path, seed: int = 0, jobs: int = 2) -> int:
         print(f"{label:<12} {seconds:>8.2f}  {note[:90]}")
     print(f"\ndemo finished in {time.perf_counter() - t0:.1f} s; everything is in {workdir}/")
     print(f"  next: k3lab check-logits --meta {src} --gguf {sorted(out.glob('*-00001-of-*.gguf'))[0]}")
-    print("        jupyter lab notebooks/")
+    print("        make lab   (or: k3lab lab; the notebooks read this demo's files)")
     return 0 if report.ok else 1

@@ -102,7 +102,13 @@ def file_sizes(rows: list[dict[str, Any]]) -> Figure:
         color=[{"converted": "tab:green", "missing": "tab:red"}.get(r["status"], "0.7") for r in rows],
     )
     ax.set_xticks(
-        range(len(rows)), [r["file"].split("-")[-3] if r["kind"] == "text" else "mmproj" for r in rows]
+        range(len(rows)),
+        [
+            r["file"].split("-")[-3]
+            if r["kind"] == "text"
+            else {"vision": "mmproj"}.get(r["kind"], r["kind"])
+            for r in rows
+        ],
     )
     ax.set_xlabel("output file (split number)")
     ax.set_ylabel("MiB")

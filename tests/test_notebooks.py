@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -86,6 +87,7 @@ def run(name: str, tmp_path: Path, **params) -> Path:
         kernel_name="python3",
         progress_bar=False,
         cwd=str(tmp_path),
+        execution_timeout=300,  # a lost kernel message is a failure here, never a stuck CI
     )
     return out
 
@@ -183,3 +185,16 @@ def test_vision_block_plot_counts_blocks_in_whole_numbers() -> None:
     fig = block_stats([{"block": 0, "wo": 0.1}, {"block": 1, "wo": 0.2}], ["wo"], "t")
     assert isinstance(fig.axes[0].xaxis.get_major_locator(), MaxNLocator)
     assert all(float(t).is_integer() for t in fig.axes[0].get_xticks())
+
+
+def test_k3lab_lab_passes_jupyter_arguments_through_and_knows_root(monkeypatch) -> None:
+    from k3lab import lab
+    from k3lab.cli import main
+
+    seen = {}
+    monkeypatch.setattr(lab, "run_lab", lambda extra: seen.setdefault("extra", list(extra)) and 0)
+    assert main(["lab", "--no-browser", "--port=9999", "--ServerApp.token="]) == 0
+    assert seen["extra"] == ["--no-browser", "--port=9999", "--ServerApp.token="]
+    cmd, env = lab.lab_command(["--port=1"])
+    assert "--ContentsManager.pre_save_hook=k3lab.lab.strip_outputs_on_save" in cmd and cmd[-1] == "--port=1"
+    assert ("--allow-root" in cmd) == (os.geteuid() == 0) and env["K3LAB_HOME"] == str(ROOT)

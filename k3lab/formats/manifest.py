@@ -4,6 +4,7 @@ On disk (see README, "On-disk state"):
   OUT/.k3lab/NNNNN.json   one record per finished text file, written after its rename (the
                           resume evidence: a file without a matching record is redone)
   OUT/.k3lab/mmproj.json  the record of the vision mmproj file ("kind": "vision")
+  OUT/.k3lab/tokenizer.json  the record of the standalone tokenizer GGUF ("kind": "tokenizer")
   OUT/MANIFEST.json       all records merged, stable key order; rebuilt from the records
 
 A record:
@@ -137,6 +138,30 @@ def write_record(out_dir: str | Path, record: dict[str, Any]) -> Path:
     path = Path(out_dir) / RECORDS_DIR / f"{key}.json" if key else record_path(out_dir, record["number"])
     atomic_write_json(path, record)
     return path
+
+
+def record_single_file(
+    path: Path, kind: str, key: str, data_start: int, tensors: list[dict[str, Any]]
+) -> Path:
+    """The record (``.k3lab/KEY.json``) of a file outside the split set: the mmproj (kind ``vision``),
+    the standalone tokenizer (kind ``tokenizer``), in the folder beside it; then the merged manifest."""
+    size = path.stat().st_size
+    data_start = min(data_start, size)
+    write_record(
+        path.parent,
+        {
+            "format": FORMAT,
+            "kind": kind,
+            "file": path.name,
+            "number": 0,
+            "key": key,
+            "size": size,
+            "data_start": data_start,
+            "header_sha256": header_sha256(path, data_start),
+            "tensors": tensors,
+        },
+    )
+    return merge(path.parent)
 
 
 def read_record(out_dir: str | Path, number: int) -> dict[str, Any] | None:

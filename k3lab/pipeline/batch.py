@@ -23,6 +23,7 @@ from tqdm import tqdm
 from k3lab.errors import K3LabError
 from k3lab.formats.manifest import merge
 
+CELL_TIMEOUT = 4 * 3600  # seconds one cell may take (a real shard converts in under a minute): never hang
 KERNEL_START_ERRORS = (
     "Kernel died before replying",
     "Address already in use",
@@ -58,6 +59,7 @@ def execute_shard(notebook: str, output: str, parameters: dict[str, Any], attemp
                 progress_bar=False,
                 log_output=False,
                 start_timeout=120,
+                execution_timeout=CELL_TIMEOUT,
             )
             return ShardRun(shard, "ok", time.perf_counter() - t0, output)
         except Exception as e:  # papermill raises its own and jupyter_client's errors

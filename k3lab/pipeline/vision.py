@@ -16,7 +16,7 @@ from typing import Any
 from gguf import GGUFValueType
 
 from k3lab.formats.gguf_stream import KV
-from k3lab.formats.manifest import FORMAT, header_sha256, merge, write_record
+from k3lab.formats.manifest import record_single_file
 from k3lab.kimi_k3.config import K3Config
 from k3lab.kimi_k3.rules import VISION_RULES
 from k3lab.pipeline.convert import Reader, write_tensors
@@ -143,19 +143,17 @@ def _write_mmproj(
     finally:
         for f in files:
             source.release(f)
-    write_record(
-        out.parent,
-        {
-            "format": FORMAT,
-            "kind": "vision",
-            "file": out.name,
-            "number": 0,
-            "key": "mmproj",
-            "size": out.stat().st_size,
-            "data_start": data_start,
-            "header_sha256": header_sha256(out, data_start),
-            "tensors": records,
-        },
-    )
-    merge(out.parent)
+    record_single_file(out, "vision", "mmproj", data_start, records)
+    return out
+
+
+def convert_tokenizer(meta_dir: str | Path, out: str | Path, chat_template: str | None = None) -> Path:
+    """The standalone tokenizer GGUF (vocabulary and hyperparameters, no tensors), with its manifest
+    record beside it, written holding the folder's lock."""
+    from k3lab.kimi_k3.tokenizer import write_tokenizer_gguf
+
+    out = Path(out)
+    with hold_folder(out.parent):
+        write_tokenizer_gguf(meta_dir, out, chat_template)
+        record_single_file(out, "tokenizer", "tokenizer", out.stat().st_size, [])
     return out
