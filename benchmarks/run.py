@@ -13,6 +13,8 @@ straightforward implementation), because these machines are shared and noisy. Ro
               size, --jobs 1 vs --jobs 2 on two MoE shards, and peak RSS per shard kind vs the plan's
               forecast. Needs ~40 GB free disk (output files are deleted as it goes); K3LAB_FULL=DIR
               reuses a synthesised full checkpoint.
+  notebooks   on `synth --preset full`: notebook 01's shard picker (slowest change), notebook 02 run
+              headless by papermill (wall time, peak RSS)
   tokenizer   GGUF vocabulary of the real size (163,840 ids) vs the straightforward per-token BPE
               reconstruction (as upstream does it) on the same vocabulary; the merges must agree
 """
@@ -322,6 +324,72 @@ def bench_fullscale() -> list[tuple[str, str, str]]:
         )
         shutil.rmtree(out, ignore_errors=True)
     return rows
+
+
+NOTEBOOK_01_PICKER = """
+import sys, time
+from k3lab import inspect
+src, out = sys.argv[1], sys.argv[2]
+t = time.perf_counter()
+plan, source = inspect.open_conversion(src, src, out)
+by = inspect.planned_by_source(plan)
+inspect.shard_rows(plan, source, 1, by)  # the first pick also reads the index once
+setup = time.perf_counter() - t
+picks = []
+for k in (2, 50, 94, 96, 7):
+    t = time.perf_counter()
+    inspect.html_table(inspect.shard_rows(plan, source, k, by))
+    picks.append(time.perf_counter() - t)
+print(setup, max(picks))
+"""
+
+
+@row
+def bench_notebooks() -> list[tuple[str, str, str]]:
+    """The notebooks at the real model's scale (`synth --preset full`; K3LAB_FULL=DIR reuses one)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from k3lab.synth import synthesize
+
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory(dir=".") as tmp:
+        src = Path(os.environ.get("K3LAB_FULL") or Path(tmp) / "full")
+        if not (src / "config.json").exists():
+            synthesize("full", src)
+        r = subprocess.run(
+            [sys.executable, "-c", NOTEBOOK_01_PICKER, str(src), str(Path(tmp) / "out")],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        setup, pick = map(float, r.stdout.split())
+        t, rss, _ = _run_timed(
+            [
+                sys.executable,
+                "-m",
+                "papermill",
+                str(root / "notebooks" / "02-mxfp4-scales.ipynb"),
+                str(Path(tmp) / "02.ipynb"),
+                "-p",
+                "src",
+                str(src),
+                "--no-progress-bar",
+            ]
+        )
+    return [
+        (
+            "notebook 01 on the full model: shard picker, slowest change",
+            f"{pick:.2f} s",
+            f"after {setup:.1f} s once (plan, index); target <= 1 s",
+        ),
+        (
+            "notebook 02 on the full model, headless (papermill)",
+            f"{t:.0f} s",
+            f"peak RSS {rss / 2**20:.0f} MiB (kernel included); target <= 2 min, 1 GB",
+        ),
+    ]
 
 
 @row

@@ -107,6 +107,9 @@ def test_sigterm_and_sigint_stop_at_once_and_remove_their_partials(
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, as a shell gives a pipeline
+        # as a terminal starts it: a test runner launched in the background (`cmd &` in a script)
+        # passes SIGINT on ignored, and Python then installs no KeyboardInterrupt handler
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     _wait_for_partial(out, proc)
     run = _tree(proc.pid)

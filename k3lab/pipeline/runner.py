@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
+from tqdm.auto import tqdm  # a widget bar in a notebook, a text bar on a terminal
 
 from k3lab.errors import K3LabError
 from k3lab.formats.manifest import is_complete, merge
@@ -169,13 +169,15 @@ def convert_shards(
     out_dir: str | Path,
     shards: list[int] | str | None = None,
     jobs: int = 1,
-    quiet: bool = False,
+    quiet: bool | None = False,
     scheduler: str | None = None,
     options: RunOptions = RunOptions(),
     run_token: str | None = None,
 ) -> list[FileResult]:
     """Convert the given output files (a list, a ``--shards`` string, or None: all), in this process,
-    ``jobs`` at a time, or one Dask task each on the cluster at ``scheduler``; merge the manifest."""
+    ``jobs`` at a time, or one Dask task each on the cluster at ``scheduler``; merge the manifest.
+    Progress: none when ``quiet``; shown on a terminal only when False; always when None (a notebook,
+    whose output is no terminal)."""
     with start_run(spec, out_dir, options, run_token) as (plan, token):
         numbers = shards if isinstance(shards, list) else parse_shards(shards, len(plan.files))
         return _convert_planned(plan, spec, str(out_dir), numbers, jobs, quiet, scheduler, options)
@@ -187,7 +189,7 @@ def _convert_planned(
     out_dir: str,
     numbers: list[int],
     jobs: int,
-    quiet: bool,
+    quiet: bool | None,
     scheduler: str | None,
     options: RunOptions,
 ) -> list[FileResult]:
@@ -201,7 +203,7 @@ def _convert_planned(
         else:
             todo.append(k)
     errors: list[BaseException] = []
-    disable = True if quiet else None  # None: tqdm shows bars only on a terminal
+    disable = {True: True, False: None, None: False}[quiet]  # tqdm's None: bars on a terminal only
     overall = tqdm(
         total=sum(plan.file(k).source_bytes for k in todo),
         unit="B",
