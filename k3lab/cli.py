@@ -7,7 +7,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from k3lab.errors import K3LabError
 
@@ -90,15 +90,18 @@ def _plan(args: argparse.Namespace) -> int:
 
     spec = _source_spec(args)
     options = _run_options(args)
-    if args.out_dir:
+
+    def show(plan: Any) -> None:
+        print(json.dumps(plan.to_json(), indent=1) if args.json else describe_plan(plan, args.jobs))
+
+    if args.out_dir:  # saved there, as convert would
         with start_run(spec, args.out_dir, options) as (plan, _):
-            pass
-    else:
-        source = spec.open_fresh()
-        plan = build_plan(
-            K3Config.load(args.meta), source, options.outtype, options.basename, options.chat_template
-        )
-    print(json.dumps(plan.to_json(), indent=1) if args.json else describe_plan(plan, args.jobs))
+            show(plan)
+        return 0
+    source = spec.open_fresh()
+    show(
+        build_plan(K3Config.load(args.meta), source, options.outtype, options.basename, options.chat_template)
+    )
     return 0
 
 

@@ -27,8 +27,9 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from k3lab.errors import K3LabError, MachineError
 
@@ -116,21 +117,24 @@ def record_path(out_dir: str | Path, number: int) -> Path:
     return Path(out_dir) / RECORDS_DIR / f"{number:05d}.json"
 
 
-def atomic_write_json(path: Path, data: Any, indent: int | None = 1) -> None:
-    """Write JSON to ``path.partial``, fsync, rename: ``path`` is old or new, never half; a failure
-    (a full disk) removes the partial file."""
+def write_atomically(path: Path, write: Callable[[TextIO], Any]) -> None:
+    """``write(fh)`` into ``path.PID.partial``, fsync, rename: ``path`` is old or new, never half; a
+    failure (a full disk) removes the partial file and names ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # concurrent writers never share one
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=indent, sort_keys=True)
-            fh.write("\n")
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         raise _disk_full(e, path) from None
+
+
+def atomic_write_json(path: Path, data: Any, indent: int | None = 1) -> None:
+    write_atomically(path, lambda fh: fh.write(json.dumps(data, indent=indent, sort_keys=True) + "\n"))
 
 
 def write_record(out_dir: str | Path, record: dict[str, Any]) -> Path:
@@ -209,21 +213,16 @@ def merge(out_dir: str | Path) -> Path:
     """Rebuild OUT/MANIFEST.json from the per-file records, streaming (at real scale the records
     add up to tens of MB: memory stays at one record)."""
     out_dir = Path(out_dir)
+
+    def write(fh: TextIO) -> None:
+        fh.write('{\n "files": [')
+        for i, (_, p) in enumerate(_records(out_dir)):
+            record = json.loads(p.read_text(encoding="utf-8"))
+            fh.write(("," if i else "") + "\n" + json.dumps(record, indent=1, sort_keys=True))
+        fh.write(f'\n ],\n "format": {json.dumps(FORMAT)}\n}}\n')
+
     path = out_dir / MANIFEST_NAME
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write('{\n "files": [')
-            for i, (_, p) in enumerate(_records(out_dir)):
-                record = json.loads(p.read_text(encoding="utf-8"))
-                fh.write(("," if i else "") + "\n" + json.dumps(record, indent=1, sort_keys=True))
-            fh.write(f'\n ],\n "format": {json.dumps(FORMAT)}\n}}\n')
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        raise _disk_full(e, path) from None
+    write_atomically(path, write)
     return path
 
 

@@ -13,6 +13,7 @@ error naming repo and file.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import struct
 import time
@@ -143,10 +144,8 @@ class HubSource(Source):
         """Cancel prefetches and delete what they left (a run that stops early)."""
         for file, fut in list(self._pending.items()):
             fut.cancel()
-            try:
+            with contextlib.suppress(Exception):  # the download's own error is not this run's
                 fut.result()
-            except Exception:  # noqa: S110 - the download's own error is not this run's
-                pass
             self.release(file)
         self._pending.clear()
         if self._pool is not None:

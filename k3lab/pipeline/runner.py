@@ -212,9 +212,7 @@ def _convert_planned(
         disable=disable if todo else True,
     )
     try:
-        if not todo:
-            pass
-        elif scheduler:
+        if todo and scheduler:
             from k3lab.pipeline.batch import dask_map
 
             for r in dask_map(run_task, [(task, k) for k in todo], scheduler, quiet=quiet):
@@ -223,9 +221,9 @@ def _convert_planned(
                 else:
                     results.append(r)
                     overall.update(plan.file(r.number).source_bytes)
-        elif jobs <= 1:
+        elif todo and jobs <= 1:
             _run_here(task, todo, overall, results, errors)
-        else:
+        elif todo:
             _run_pool(task, todo, jobs, overall, results, errors)
     finally:
         overall.close()
