@@ -71,14 +71,16 @@ def convert(
     shards: list[int] | None = None,
     force: bool = False,
     run_token: str | None = None,
+    progress: bool = False,
 ) -> list[Any]:
     """Convert output files ``shards`` (default: all) exactly as ``k3lab convert`` does (as part of
-    the run holding ``run_token`` when `k3lab batch` runs this)."""
+    the run holding ``run_token`` when `k3lab batch` runs this), with a progress bar if asked."""
     from k3lab.pipeline.runner import RunOptions, convert_shards
 
     spec = SourceSpec(str(meta), src_dir=str(src))
+    quiet = None if progress else True  # None: a bar even where the output is no terminal (a notebook)
     return convert_shards(
-        spec, out_dir, shards, quiet=True, options=RunOptions(force=force), run_token=run_token
+        spec, out_dir, shards, quiet=quiet, options=RunOptions(force=force), run_token=run_token
     )
 
 
