@@ -28,6 +28,14 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
 SHOTS = Path(tempfile.mkdtemp(prefix="k3lab-screenshots-"))
 
+# the pictures each notebook shows (02: the histograms, then one expert's codes and the heatmap)
+PICTURES = {
+    "01-tensor-layouts.ipynb": 0,
+    "02-mxfp4-scales.ipynb": 3,
+    "03-convert-shard.ipynb": 1,
+    "04-vision-and-tokenizer.ipynb": 1,
+    "05-verify-a-run.ipynb": 1,
+}
 # one widget per notebook to change, and how to tell its output changed: (css of the <select> or
 # <input>, the value to set, css of the element whose text must change)
 WIDGET_CHANGES = {
@@ -182,9 +190,13 @@ def test_a_person_runs_and_saves_each_notebook(lab, browser, name: str) -> None:
     assert "Loading widget" not in text and "Error displaying widget" not in text
     if name in WIDGET_CHANGES:
         assert _here(d, ".jupyter-widgets"), "no widget rendered"
-    if name != "01-tensor-layouts.ipynb":
-        images = _here(d, ".jp-OutputArea-output img")
-        assert images and all(i.get_attribute("naturalWidth") not in (None, "0") for i in images)
+    want = PICTURES[name]
+    deadline = time.monotonic() + 60
+    while len(_here(d, ".jp-OutputArea-output img")) < want and time.monotonic() < deadline:
+        time.sleep(0.25)  # the widgets' plots arrive a moment after the cell's own
+    images = _here(d, ".jp-OutputArea-output img")
+    assert len(images) >= want, f"{name}: {len(images)} pictures, expected {want}"
+    assert all(i.get_attribute("naturalWidth") not in (None, "0") for i in images)
     # nothing runs off a 1500 px page: outputs scroll inside themselves
     too_wide = d.execute_script(
         "return [...document.querySelectorAll('.jp-OutputArea-output')].filter(e => e.offsetParent !== null "
