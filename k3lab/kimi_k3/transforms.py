@@ -54,12 +54,8 @@ class SourceTensor(Protocol):
 
 
 class Read(Protocol):
-    def __call__(
-        self, name: str, row_start: int = 0, row_stop: int | None = None, own: bool = False
-    ) -> np.ndarray:
-        """Rows [row_start, row_stop) of a source tensor, in its holding dtype. The array is a read
-        buffer that a later read reuses, unless ``own``."""
-        ...
+    def __call__(self, name: str, row_start: int = 0, row_stop: int | None = None) -> np.ndarray:
+        """Rows [row_start, row_stop) of a source tensor, in its holding dtype (read-only)."""
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ validated by ``formats.safetensors`` (offsets inside the file, dtype x shape = b
 
 from __future__ import annotations
 
+import abc
 import functools
 import hashlib
 import json
@@ -121,7 +122,7 @@ def _open_source(spec: SourceSpec) -> Source:
     return LocalSource(spec.src_dir or spec.meta_dir, spec.meta_dir)
 
 
-class Source:
+class Source(abc.ABC):
     """What the planner and the converter use. Subclasses say where a shard's bytes are
     (``local_path``), how its header is read before it is acquired (``_fetch_raw_header``), and how the
     inputs are fingerprinted."""
@@ -213,9 +214,11 @@ class Source:
     # --- one shard's bytes ---
     def acquire(self, file: str) -> None:
         """Make ``file``'s bytes readable (local: they are)."""
+        return None  # a local file is readable as it is
 
     def prefetch(self, file: str) -> None:
         """A hint: ``file`` is acquired next (local: nothing to do)."""
+        return None  # nothing to fetch ahead
 
     def release(self, file: str) -> None:
         """Done with ``file``: close it (the Hub source also deletes it)."""
@@ -261,9 +264,9 @@ class Source:
         return read_tensor(self.entry(name))
 
     # --- for subclasses ---
+    @abc.abstractmethod
     def local_path(self, file: str) -> Path:
         """Where the shard's bytes are (or will be, once acquired)."""
-        raise NotImplementedError  # pragma: no cover - an interface method
 
     def _fetch_raw_header(self, file: str) -> tuple[bytes, int]:
         raise SourceError(f"{self.where(file)}: not found")
