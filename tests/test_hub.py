@@ -223,3 +223,16 @@ def test_every_dask_worker_streams_its_own_shards_from_the_hub(
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def test_hub_streaming_with_jobs_gives_the_local_bytes(
+    tiny_src: Path, tiny_out: Path, tmp_path: Path
+) -> None:
+    """--repo with --jobs 2: each worker process downloads its own shards, converts and deletes them."""
+    with HubServer(tiny_src, faults=True) as hub:
+        result = _convert(hub, tmp_path, "--jobs", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "9 written" in result.stdout and "written by 2 processes" in result.stdout, result.stdout
+    for f in sorted(tiny_out.glob("*.gguf")):
+        assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
+    assert not list((tmp_path / "scratch").rglob("*.safetensors*"))
