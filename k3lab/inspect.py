@@ -24,7 +24,7 @@ from k3lab.formats.manifest import MANIFEST_NAME
 from k3lab.formats.numerics import bf16_bits_to_f32
 from k3lab.kimi_k3.config import K3Config
 from k3lab.kimi_k3.tokenizer import build_vocabulary, read_tiktoken
-from k3lab.pipeline.plan import Plan, build_plan
+from k3lab.pipeline.plan import Plan
 from k3lab.pipeline.sources import LocalSource, SourceSpec
 from k3lab.pipeline.vision import plan_vision
 
@@ -104,7 +104,7 @@ def shard_rows(
     plan: Plan, source: LocalSource, shard: int, by_source: dict | None = None
 ) -> list[dict[str, Any]]:
     """One row per tensor of source shard ``shard`` (1-based): where it is, and what it becomes. Reads
-    that shard's header only (the plan is made once: ``open_conversion`` or ``plan_checkpoint``)."""
+    that shard's header only (the plan is made once: ``open_conversion``)."""
     files = source.files()
     fname = files[shard - 1]
     entries = sorted(source.header(fname).values(), key=lambda e: e.start)
@@ -134,13 +134,6 @@ def shard_rows(
             }
         )
     return rows
-
-
-def plan_checkpoint(src: str | Path, meta: str | Path | None = None) -> tuple[Plan, LocalSource]:
-    """The plan of a checkpoint, made in memory (no output folder): every source tensor's target."""
-    meta = meta or src
-    source = LocalSource(src, meta)
-    return build_plan(K3Config.load(meta), source), source
 
 
 def _expert_names(

@@ -145,3 +145,33 @@ def test_malformed_tiktoken_is_one_line_error_with_line_number(
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "tiktoken.model:" in err
     assert not out.exists() and not list(tmp_path.glob("*.partial"))
+
+
+def test_the_chat_template_choice_is_printed_and_embedded(
+    tiny_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from k3lab.cli import main
+
+    assert main(["tokenizer", "--meta", str(tiny_src), "--out", str(tmp_path / "a" / "t.gguf")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert (
+        first.startswith("chat template: none") and "--chat-template-file" in first
+    )  # what llama.cpp then needs
+    assert "tokenizer.chat_template" not in gguf.GGUFReader(tmp_path / "a" / "t.gguf").fields
+    template = tmp_path / "k3.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    out = tmp_path / "b" / "t.gguf"
+    assert (
+        main(["tokenizer", "--meta", str(tiny_src), "--out", str(out), "--chat-template", str(template)]) == 0
+    )
+    assert capsys.readouterr().out.splitlines()[0] == f"chat template: {template} (--chat-template)"
+    assert gguf.GGUFReader(out).fields["tokenizer.chat_template"].contents() == template.read_text()
+    assert main(["verify", str(tmp_path / "b"), "--quiet"]) == 0  # its manifest record is beside it
+
+
+def test_file_1_carries_upstreams_general_keys(tiny_out: Path) -> None:
+    """As upstream's converter writes them for this checkpoint (tests/test_upstream_judge.py runs it)."""
+    r = gguf.GGUFReader(next(tiny_out.glob("*-00001-of-*.gguf")))
+    assert r.fields["general.type"].contents() == "model"
+    assert r.fields["general.size_label"].contents() == "8x1.9M"
+    assert "kimi-k3.expert_group_used_count" not in r.fields  # the config has no topk_group

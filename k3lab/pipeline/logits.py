@@ -229,16 +229,30 @@ def check_stages(
     k = int(cfg["num_experts_per_token"])
     row("inp_embd", w("model.embed_tokens.weight")[np.asarray(tokens)], one("inp_embd"), "token_embd")
     bank: list[np.ndarray] = []
+
+    def res_mix(
+        cur: np.ndarray, probs_name: str, occurrence: int, score: str, label: str, checks: str
+    ) -> np.ndarray:
+        """One AttnRes mix: llama.cpp's probabilities checked against the reference's, and the
+        stream mixed with llama.cpp's own (so that the next stage sees only its own error)."""
+        if not bs or not bank:  # no AttnRes, or nothing banked yet (layer 0's attention)
+            return cur
+        have = one(probs_name, occurrence)
+        row(label, ref.res_probs(cur, bank, ref.res_score(score)), have, checks)
+        return ref.mix(cur, bank, have)
+
     layer_in = one("inp_embd")
     for il in range(n):
-        p, mixes = f"model.layers.{il}.", 0
-        mixed = layer_in
-        if bs and bank:  # the attention's mix (layer 0 has nothing banked yet)
-            have = one(f"res_probs-{il}", mixes)
-            mixes += 1
-            want = ref.res_probs(layer_in, bank, ref.res_score(p + "self_attention_res"))
-            row(f"res_probs-{il} (attention)", want, have, f"blk.{il}.attn_res_score")
-            mixed = ref.mix(layer_in, bank, have)
+        p = f"model.layers.{il}."
+        mixes = 1 if bs and bank else 0  # res_probs-{il} occurs once per mix: the attention's, then the FFN's
+        mixed = res_mix(
+            layer_in,
+            f"res_probs-{il}",
+            0,
+            p + "self_attention_res",
+            f"res_probs-{il} (attention)",
+            f"blk.{il}.attn_res_score",
+        )
         banked = bool(bs) and il % bs == 0
         if banked:
             bank.append(layer_in)
@@ -253,13 +267,14 @@ def check_stages(
         out = f"prefix_sum_attn-{il}" if banked else f"{kind}_out-{il}"  # a banked layer's output is renamed
         attn = ref.mla(il, normed) if kind == "mla" else ref.kda(il, normed)
         row(out, attn, one(out), f"blk.{il}.{kind.upper()} attention")
-        stream = one(f"prefix_sum_attn-{il}")
-        mixed = stream
-        if bs:
-            have = one(f"res_probs-{il}", mixes)
-            want = ref.res_probs(stream, bank, ref.res_score(p + "mlp_res"))
-            row(f"res_probs-{il} (ffn)", want, have, f"blk.{il}.ffn_res_score")
-            mixed = ref.mix(stream, bank, have)
+        mixed = res_mix(
+            one(f"prefix_sum_attn-{il}"),
+            f"res_probs-{il}",
+            mixes,
+            p + "mlp_res",
+            f"res_probs-{il} (ffn)",
+            f"blk.{il}.ffn_res_score",
+        )
         normed = one(f"ffn_norm-{il}")
         row(
             f"ffn_norm-{il}",
@@ -284,16 +299,9 @@ def check_stages(
             what = f"blk.{il}.ffn_gate/up/down"
         row(f"ffn_out-{il}", ffn, one(f"ffn_out-{il}"), what)
         layer_in = one(f"l_out-{il}")
-    mixed = layer_in
-    if bs:
-        have = one("res_probs")
-        row(
-            "res_probs (output)",
-            ref.res_probs(layer_in, bank, ref.res_score("model.output_attn_res")),
-            have,
-            "output_res_score",
-        )
-        mixed = ref.mix(layer_in, bank, have)
+    mixed = res_mix(
+        layer_in, "res_probs", 0, "model.output_attn_res", "res_probs (output)", "output_res_score"
+    )
     normed = one("result_norm")
     last = normed.shape[0]  # llama.cpp normalises the output rows only (here the last token)
     row("result_norm", rms_norm(mixed[-last:], eps, w("model.norm.weight")), normed, "output_norm")
