@@ -31,6 +31,7 @@ from collections.abc import Callable
 import numpy as np
 
 from k3lab.formats import mxfp4
+from k3lab.pipeline.folder import OutputFolder
 
 ROWS: dict[str, Callable[[], list[tuple[str, str, str]]]] = {}
 
@@ -89,7 +90,7 @@ if nohash:  # measure the manifest's cost: the same run with a hasher that does 
         def hexdigest(self): return "0" * 64
     k3lab.formats.hashing.sha256 = Null
 spec = SourceSpec(src, src_dir=src)
-with start_run(spec, out) as (plan, _):
+with start_run(spec, out) as (plan, _, _):
     source = spec.open()
 import numpy as np
 from k3lab.formats import mxfp4
@@ -174,14 +175,15 @@ FULL_TASK_SETUP = """
 import sys, time
 t0 = time.perf_counter()
 from k3lab.pipeline.convert import file_kvs, shard_entries
-from k3lab.pipeline.plan import load_plan
+from k3lab.pipeline.folder import OutputFolder
 from k3lab.pipeline.sources import SourceSpec
 out, src, k = sys.argv[1], sys.argv[2], int(sys.argv[3])
 t1 = time.perf_counter()
-plan = load_plan(out)
+folder = OutputFolder(out)
+plan = folder.require_plan()
 source = SourceSpec(src, src_dir=src).open()
 entries = shard_entries(plan, k, source)
-kvs = file_kvs(plan, k, out)
+kvs = file_kvs(plan, k, folder)
 t2 = time.perf_counter()
 print(t1 - t0, t2 - t1)
 """
@@ -248,9 +250,9 @@ def bench_fullscale() -> list[tuple[str, str, str]]:
             )
         )
 
-        plan = json.loads((out / ".k3lab" / "plan.json").read_text())
-        forecast = {f["number"]: f["memory"] for f in plan["files"]}
-        nbytes = {f["number"]: f["bytes"] for f in plan["files"]}
+        saved = OutputFolder(out).require_plan()
+        forecast = {f.number: f.memory for f in saved.files}
+        nbytes = {f.number: f.nbytes for f in saved.files}
         kinds = {
             1: "shard 1 (dense FFN, KDA, vocabulary)",
             4: "shard 4 (MoE, MLA)",
@@ -395,7 +397,6 @@ def bench_notebooks() -> list[tuple[str, str, str]]:
 @row
 def bench_tokenizer() -> list[tuple[str, str, str]]:
     import base64
-    import json
     import tempfile
     from pathlib import Path
 

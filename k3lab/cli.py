@@ -45,6 +45,7 @@ def _source_spec(args: argparse.Namespace) -> SourceSpec:
     """Where the checkpoint is: --src (local, default --meta) or --repo (the Hub); never both."""
     import os
 
+    from k3lab.pipeline.folder import OutputFolder
     from k3lab.pipeline.sources import SourceSpec
 
     repo = getattr(args, "repo", None)
@@ -58,7 +59,7 @@ def _source_spec(args: argparse.Namespace) -> SourceSpec:
             str(args.meta),
             repo=repo,
             revision=args.revision,
-            scratch=str(args.scratch or Path(args.out_dir) / ".k3lab" / "scratch"),
+            scratch=str(args.scratch or OutputFolder(args.out_dir).scratch),
             endpoint=os.environ.get("HF_ENDPOINT"),
             token=os.environ.get("HF_TOKEN"),
             keep_source=args.keep_source,
@@ -85,6 +86,7 @@ def _plan(args: argparse.Namespace) -> int:
     import json
 
     from k3lab.kimi_k3.config import K3Config
+    from k3lab.pipeline.folder import check_basename
     from k3lab.pipeline.plan import build_plan, describe_plan
     from k3lab.pipeline.runner import start_run
 
@@ -95,9 +97,10 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps(plan.to_json(), indent=1) if args.json else describe_plan(plan, args.jobs))
 
     if args.out_dir:  # saved there, as convert would
-        with start_run(spec, args.out_dir, options) as (plan, _):
+        with start_run(spec, args.out_dir, options) as (plan, _, _):
             show(plan)
         return 0
+    check_basename(options.basename)
     source = spec.open_fresh()
     show(
         build_plan(K3Config.load(args.meta), source, options.outtype, options.basename, options.chat_template)
@@ -189,16 +192,16 @@ def _check_logits(args: argparse.Namespace) -> int:
 
 def _batch(args: argparse.Namespace) -> int:
     from k3lab.pipeline.batch import run_batch, summary
-    from k3lab.pipeline.runner import parse_shards, start_run
+    from k3lab.pipeline.runner import start_run
 
     spec = _source_spec(args)
-    with start_run(spec, args.out_dir) as (plan, token):
+    with start_run(spec, args.out_dir, shards=args.shards) as (plan, token, numbers):
         run_dir, results = run_batch(
             args.notebook,
             args.meta,
             args.src or args.meta,
             args.out_dir,
-            parse_shards(args.shards, len(plan.files)),
+            numbers,
             args.scheduler,
             args.workers,
             args.run_id,

@@ -20,7 +20,6 @@ import numpy as np
 
 from k3lab.errors import K3LabError
 from k3lab.formats import mxfp4
-from k3lab.formats.manifest import MANIFEST_NAME
 from k3lab.formats.numerics import bf16_bits_to_f32
 from k3lab.kimi_k3.config import K3Config
 from k3lab.kimi_k3.tokenizer import build_vocabulary, read_tiktoken
@@ -303,29 +302,27 @@ def tokenize_with_merges(meta: str | Path, text: str) -> dict[str, Any]:
 def manifest_summary(out_dir: str | Path) -> list[dict[str, Any]]:
     """Per output file of a converted set: status, tensors, bytes, types and the source shard; files the
     saved plan has but the manifest does not are listed as not converted."""
-    from k3lab.pipeline.plan import PlanError, load_plan
+    from k3lab.pipeline.folder import OutputFolder
 
-    out_dir = Path(out_dir)
-    man = json.loads((out_dir / MANIFEST_NAME).read_text())
+    folder = OutputFolder(out_dir)
     rows = []
-    for rec in man["files"]:
-        types = Counter(t["type"] for t in rec["tensors"])
-        sources = sorted({src["file"] for t in rec["tensors"] for src in t["sources"]})
-        on_disk = (out_dir / rec["file"]).exists()
+    for rec in folder.read_manifest():
+        types = Counter(t["type"] for t in rec.tensors)
+        sources = sorted({src["file"] for t in rec.tensors for src in t["sources"]})
+        on_disk = folder.output(rec.file).exists()
         rows.append(
             {
-                "file": rec["file"],
-                "kind": rec.get("kind", "text"),
+                "file": rec.file,
+                "kind": rec.kind,
                 "status": "converted" if on_disk else "missing",
-                "tensors": len(rec["tensors"]),
-                "bytes": rec["size"],
+                "tensors": len(rec.tensors),
+                "bytes": rec.size,
                 "types": ", ".join(f"{k} {v}" for k, v in sorted(types.items())),
                 "from": ", ".join(sources[:2]) + (f" (+{len(sources) - 2})" if len(sources) > 2 else ""),
             }
         )
-    try:
-        plan = load_plan(out_dir)
-    except PlanError:
+    plan = folder.load_plan()
+    if plan is None:
         return rows
     listed = {r["file"] for r in rows}
     for f in plan.files:

@@ -34,5 +34,14 @@ def saved_plan(src: Path, out: Path):
     from k3lab.pipeline.runner import start_run
     from k3lab.pipeline.sources import SourceSpec
 
-    with start_run(SourceSpec(str(src), src_dir=str(src)), out) as (plan, _):
+    with start_run(SourceSpec(str(src), src_dir=str(src)), out) as (plan, _, _):
         return plan
+
+
+def state_json(path: Path):
+    """The JSON of a state file in ``OUT/.k3lab/`` (after its ``k3lab-state/1 KIND SHA256`` line)."""
+    import json
+
+    head, _, body = path.read_bytes().partition(b"\n")
+    assert head.startswith(b"k3lab-state/1 "), head
+    return json.loads(body)

@@ -255,7 +255,7 @@ CASES = {
         [LAYER2, "bad shape"],
     ),
     "a header nested 200k levels deep": (_deep_header, [LAYER2, "nests 200001 levels"]),
-    "a FIFO as a shard": (_fifo_shard, [LAYER2, "not a regular file"]),
+    "a FIFO as a shard": (_fifo_shard, [LAYER2, "is a FIFO"]),
     "a directory as a shard": (_dir_shard, [LAYER2, "is a directory"]),
 }
 

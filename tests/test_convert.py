@@ -227,7 +227,7 @@ def test_conversions_in_threads_of_one_process_give_identical_files(
 
     from conftest import saved_plan
 
-    from k3lab.formats.manifest import merge
+    from k3lab.pipeline.folder import OutputFolder
     from k3lab.pipeline.runner import Task, run_task
     from k3lab.pipeline.sources import SourceSpec
 
@@ -236,7 +236,7 @@ def test_conversions_in_threads_of_one_process_give_identical_files(
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda k: run_task(task, k), range(1, 10)))
     assert sorted(r.number for r in results) == list(range(1, 10))
-    merge(tmp_path)
+    OutputFolder(tmp_path).merge()
     for a, b in zip(_files(tiny_out), _files(tmp_path), strict=True):
         assert a.read_bytes() == b.read_bytes(), a.name
     assert json.loads((tmp_path / "MANIFEST.json").read_text()) == json.loads(

@@ -148,10 +148,10 @@ def test_two_converts_on_one_folder_never_corrupt_it(tiny_src: Path, tmp_path: P
 
 
 def test_a_second_run_is_refused_while_the_first_holds_the_folder(tiny_src: Path, tmp_path: Path) -> None:
-    from k3lab.pipeline.lock import hold_folder
+    from k3lab.pipeline.folder import OutputFolder
 
     out = tmp_path / "out"
-    with hold_folder(out):  # this test process is "the first run"
+    with OutputFolder(out).hold():  # this test process is "the first run"
         for cmd in (
             ["convert", "--meta", str(tiny_src), "--out-dir", str(out)],
             ["batch", "--meta", str(tiny_src), "--out-dir", str(out)],

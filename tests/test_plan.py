@@ -9,7 +9,7 @@ from pathlib import Path
 
 import gguf
 import pytest
-from conftest import convert, saved_plan
+from conftest import convert, saved_plan, state_json
 
 from k3lab.cli import main
 from k3lab.formats import safetensors
@@ -41,7 +41,7 @@ def _edit_json(path: Path, edit) -> None:
 
 def test_the_plan_is_saved_and_reused_until_an_input_changes(tiny_src: Path, tmp_path: Path) -> None:
     first = saved_plan(tiny_src, tmp_path)
-    saved = json.loads((tmp_path / ".k3lab" / "plan.json").read_text())
+    saved = state_json(tmp_path / ".k3lab" / "plan.json")
     assert saved["format"] == plan_mod.PLAN_FORMAT and saved["inputs_digest"] == first.inputs_digest
     assert set(saved["inputs"]["meta"]) >= {"config.json", "model.safetensors.index.json", "tiktoken.model"}
     calls = []

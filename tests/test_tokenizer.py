@@ -20,8 +20,8 @@ from k3lab.kimi_k3.tokenizer import (
     build_vocabulary,
     read_tiktoken,
     token_to_unicode,
-    write_tokenizer_gguf,
 )
+from k3lab.pipeline.vision import convert_tokenizer
 from k3lab.synth.generate import extend_vocab
 
 CORPUS = [
@@ -110,7 +110,7 @@ def test_chat_template_is_carried(tiny_src: Path, tmp_path: Path) -> None:
     cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }}<|end_of_msg|>{% endfor %}"
     (meta / "tokenizer_config.json").write_text(json.dumps(cfg))
     assert build_vocabulary(meta).chat_template == cfg["chat_template"]
-    out = write_tokenizer_gguf(meta, tmp_path / "t.gguf")
+    out = convert_tokenizer(meta, tmp_path / "t.gguf")
     assert gguf.GGUFReader(out).fields["tokenizer.chat_template"].contents() == cfg["chat_template"]
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from conftest import state_json
 from test_bad_input import _tensors, _write
 from test_convert import Source
 
@@ -121,7 +122,7 @@ def test_mmproj_recovers_every_vision_tensor(tiny_src: Path, tmp_path: Path) -> 
     assert r.fields["general.architecture"].contents() == "clip"
     assert r.fields["clip.vision.block_count"].contents() == 2
     assert r.fields["clip.vision.merge_type"].contents() == "sd2_tpool"
-    rec = json.loads((tmp_path / ".k3lab" / "mmproj.json").read_text())
+    rec = state_json(tmp_path / ".k3lab" / "mmproj.json")
     assert rec["kind"] == "vision" and len(rec["tensors"]) == len(r.tensors)
     assert main(["verify", str(tmp_path), "--quiet"]) == 0
 

@@ -14,6 +14,7 @@ import errno
 import mmap
 import os
 import shutil
+import stat
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 
-from k3lab.errors import MachineError
+from k3lab.errors import K3LabError, MachineError
 from k3lab.formats import hashing
 
 ALIGNMENT = 32  # GGUF default
@@ -85,6 +86,23 @@ PIECES_IN_FLIGHT = 2  # pieces the writer may still be hashing or writing while 
 WRITEBACK_STEP = 64 * 1024 * 1024  # bytes written between writeback requests
 
 
+def _claim(partial: Path) -> None:
+    """Create ``partial`` new (``O_EXCL | O_NOFOLLOW``) before gguf-py opens it, so that the file is
+    never written through a symlink or over a file k3lab did not make. A regular file of this very
+    name is an earlier, killed write of the same file: it goes first."""
+    try:
+        if stat.S_ISREG(os.lstat(partial).st_mode):
+            partial.unlink()
+    except FileNotFoundError:
+        pass
+    try:
+        os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
+    except FileExistsError:
+        raise K3LabError(
+            f"{partial}: exists and is not a file k3lab made (a symlink?); k3lab will not write through it"
+        ) from None
+
+
 class GGUFStream:
     """Write one GGUF file: ``with GGUFStream(path, arch, kvs, infos) as g: g.write(name, pieces)``."""
 
@@ -112,6 +130,7 @@ class GGUFStream:
 
     def __enter__(self) -> GGUFStream:
         self.partial.parent.mkdir(parents=True, exist_ok=True)
+        _claim(self.partial)
         try:
             self._writer.write_header_to_file(self.partial)
             self._writer.write_kv_data_to_file()

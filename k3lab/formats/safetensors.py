@@ -12,7 +12,6 @@ import json
 import math
 import os
 import re
-import stat
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from k3lab.errors import K3LabError
+from k3lab.formats.files import InputFileError, open_regular
 
 DTYPE_SIZE = {
     "BOOL": 1,
@@ -76,7 +76,7 @@ class TensorEntry(NamedTuple):
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)  # Python ints: no overflow, whatever a header claims
 
 
 def _entry_problem(file: str, name: str, dtype: str, shape: tuple, begin: int, end: int) -> str:
@@ -111,6 +111,20 @@ def _max_depth(raw: bytes) -> int:
     return int(np.cumsum(steps).max()) if steps.size else 0
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A JSON object that names a key twice is refused (as the safetensors library refuses it): the
+    last one would silently win."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))  # type: ignore[func-returns-value]
+    return out
+
+
 def parse_header(
     raw: bytes, file: str, file_size: int | None
 ) -> tuple[dict[str, TensorEntry], dict[str, str]]:
@@ -119,7 +133,9 @@ def parse_header(
     if depth > MAX_NESTING:
         raise SafetensorsError(f"{file}: header nests {depth} levels deep; a safetensors header is flat")
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as e:
+        raise SafetensorsError(f"{file}: tensor {e}: appears twice in the header") from None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise SafetensorsError(f"{file}: header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
@@ -165,23 +181,23 @@ def read_raw_header(path: str | os.PathLike) -> tuple[bytes, int]:
     """The header's JSON bytes (after the 8-byte length) and the file's size, checked to fit."""
     path = Path(path)
     try:
-        st = path.stat()
-        if not stat.S_ISREG(st.st_mode):
-            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-            raise SafetensorsError(f"{path}: is {kind}, not a safetensors file")
-        size = st.st_size
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise SafetensorsError(f"{path}: {size} bytes is too short for a safetensors file")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER or 8 + n > size:
-                raise SafetensorsError(f"{path}: header length {n} does not fit the file ({size} bytes)")
-            raw = fh.read(n)
-    except FileNotFoundError:
-        raise SafetensorsError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise SafetensorsError(f"{path}: is a directory, not a safetensors file") from None
+        fd, size = open_regular(path, "safetensors file")
+    except InputFileError as e:
+        raise SafetensorsError(str(e)) from None
+    try:
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise SafetensorsError(f"{path}: {size} bytes is too short for a safetensors file")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER or 8 + n > size:
+            raise SafetensorsError(f"{path}: header length {n} does not fit the file ({size} bytes)")
+        raw = os.pread(fd, n, 8)
+        if len(raw) != n:
+            raise SafetensorsError(f"{path}: header ends early (the file shrank while read?)")
+    except OSError as e:
+        raise SafetensorsError(f"{path}: cannot read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
     return raw, size
 
 

@@ -249,15 +249,13 @@ class K3Config:
 
     @classmethod
     def load(cls, meta_dir: str | Path) -> K3Config:
+        from k3lab.formats.files import InputFileError, read_json
+
         path = Path(meta_dir) / "config.json"
         try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: not found") from None
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-            raise ConfigError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
-        except IsADirectoryError:
-            raise ConfigError(f"{path}: is a directory, not a file") from None
+            raw = read_json(path, 16 * 1024 * 1024, "config")
+        except InputFileError as e:
+            raise ConfigError(str(e)) from None
         return cls.from_dict(raw, str(path))
 
     # --- plain facts ---

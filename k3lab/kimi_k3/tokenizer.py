@@ -17,7 +17,6 @@ from __future__ import annotations
 import binascii
 import functools
 import itertools
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from gguf import GGUFValueType
 
 from k3lab.errors import K3LabError
 from k3lab.formats.bpe_merges import bpe_merge_ranks
+from k3lab.formats.files import InputFileError, read_bounded, read_json, read_text
 from k3lab.formats.gguf_stream import KV
 from k3lab.kimi_k3.config import K3Config
 
@@ -45,6 +45,10 @@ KIMI_PAT_STR = "|".join(
 )
 
 
+TOKENIZER_LIMIT = 64 * 1024 * 1024  # the real tiktoken.model is ~2.5 MB
+TEMPLATE_LIMIT = 4 * 1024 * 1024
+
+
 class TokenizerError(K3LabError):
     """tiktoken.model or tokenizer_config.json is malformed."""
 
@@ -53,11 +57,9 @@ def read_tiktoken(path: str | Path) -> list[bytes]:
     """Read ``tiktoken.model`` (``base64 rank`` per line); returns the tokens in rank order."""
     path = Path(path)
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise TokenizerError(f"{path}: not found") from None
-    except IsADirectoryError:
-        raise TokenizerError(f"{path}: is a directory, not a file") from None
+        data = read_bounded(path, TOKENIZER_LIMIT, "tiktoken.model")
+    except InputFileError as e:
+        raise TokenizerError(str(e)) from None
     tokens = _read_tiktoken_fast(data)
     if tokens is None:  # something is off: the line-by-line reader names the line
         tokens = _read_tiktoken_checked(path, data.splitlines())
@@ -124,9 +126,9 @@ def read_chat_template(path: str | Path) -> str:
     """A Jinja chat template file's text (``--chat-template FILE``)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"{path}: cannot read the chat template ({e.__class__.__name__}: {e})") from None
+        text = read_text(path, TEMPLATE_LIMIT, "chat template")
+    except InputFileError as e:
+        raise TokenizerError(str(e)) from None
     if not text.strip():
         raise TokenizerError(f"{path}: the chat template is empty")
     return text
@@ -168,11 +170,9 @@ def read_specials(path: str | Path) -> tuple[dict[int, str], dict]:
     """The special tokens of ``tokenizer_config.json`` (``added_tokens_decoder``) and the whole config."""
     path = Path(path)
     try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise TokenizerError(f"{path}: not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise TokenizerError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
+        cfg = read_json(path, TOKENIZER_LIMIT, "tokenizer config")
+    except InputFileError as e:
+        raise TokenizerError(str(e)) from None
     if not isinstance(cfg, dict):
         raise TokenizerError(f"{path}: not a JSON object")
     decoder = cfg.get("added_tokens_decoder")
@@ -319,14 +319,12 @@ def build_vocabulary(meta_dir: str | Path, cfg: K3Config | None = None) -> Vocab
     )
 
 
-def write_tokenizer_gguf(meta_dir: str | Path, out: str | Path, chat_template: str | None = None) -> Path:
-    """A standalone GGUF: the vocabulary plus every ``kimi-k3.*`` hyperparameter, no tensors.
-    ``chat_template`` (a template's text) replaces the source's own."""
-    from k3lab.formats.gguf_stream import write_metadata_only
-    from k3lab.kimi_k3.keys import ARCH, model_kvs
+def tokenizer_kvs(meta_dir: str | Path, chat_template: str | None = None) -> list:
+    """The standalone tokenizer GGUF's metadata: the vocabulary plus every ``kimi-k3.*``
+    hyperparameter. ``chat_template`` (a template's text) replaces the source's own."""
+    from k3lab.kimi_k3.keys import model_kvs
 
     cfg = K3Config.load(meta_dir)
-    kvs = model_kvs(
+    return model_kvs(
         cfg, meta_dir, "Kimi-K3 tokenizer", "MXFP4_MOE" if cfg.is_mxfp4 else "BF16", chat_template
     )
-    return write_metadata_only(out, ARCH, kvs)

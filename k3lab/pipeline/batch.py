@@ -21,7 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from k3lab.errors import K3LabError
-from k3lab.formats.manifest import merge
+from k3lab.pipeline.folder import OutputFolder
 
 CELL_TIMEOUT = 4 * 3600  # seconds one cell may take (a real shard converts in under a minute): never hang
 KERNEL_START_ERRORS = (
@@ -146,7 +146,7 @@ def run_batch(
     ]
     results = dask_map(execute_shard, calls, scheduler, workers)
     if Path(out_dir).exists():
-        merge(out_dir)
+        OutputFolder(out_dir).merge()
     return run_dir, sorted(results, key=lambda r: r.shard)
 
 

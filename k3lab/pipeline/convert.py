@@ -4,7 +4,7 @@ For output file k of a plan: acquire its source shard, check the shard's header 
 plan was made from, write the GGUF header and tensor infos, then for each planned tensor let its
 transform's stream read the source in bounded pieces (``Reader``: mapped pages, no copy) and
 stream the output bytes to ``NAME.partial``, hashed and written on background threads; fsync,
-rename, record the hashes (``formats.manifest``), release the shard. Memory is bounded by what the
+rename, record the hashes (``pipeline.record``, written by ``pipeline.folder``), release the shard. Memory is bounded by what the
 streams hold at once, which the plan forecasts per file.
 """
 
@@ -21,10 +21,11 @@ from typing import Any
 import numpy as np
 
 from k3lab.formats.gguf_stream import KV, GGUFStream, split_kvs
-from k3lab.formats.manifest import FORMAT, header_sha256, is_complete, write_record
 from k3lab.formats.safetensors import NUMPY_DTYPE, TensorEntry
 from k3lab.kimi_k3.keys import ARCH
-from k3lab.pipeline.plan import Plan, PlanError, PlannedTensor, load_kvs
+from k3lab.pipeline.folder import OutputFolder, header_sha256
+from k3lab.pipeline.plan import Plan, PlanError, PlannedTensor
+from k3lab.pipeline.record import Record
 from k3lab.pipeline.sources import Source
 
 Progress = Callable[[int], None]
@@ -100,10 +101,10 @@ class FileResult:
     worker: str = field(default_factory=worker_name)  # host:pid of the process that did it
 
 
-def file_kvs(plan: Plan, number: int, out_dir: str | Path) -> list[KV]:
+def file_kvs(plan: Plan, number: int, folder: OutputFolder) -> list[KV]:
     """Split keys in every file; the first also carries the planned metadata and the tokenizer."""
     kvs = split_kvs(number - 1, len(plan.files), plan.n_tensors)
-    return load_kvs(out_dir, plan) + kvs if number == 1 else kvs
+    return folder.load_kvs(plan) + kvs if number == 1 else kvs
 
 
 def shard_entries(plan: Plan, number: int, source: Source) -> dict[str, TensorEntry]:
@@ -127,41 +128,39 @@ def convert_file(
     progress: Progress | None = None,
 ) -> FileResult:
     """Write output file ``number`` (1-based) unless a complete, matching one is already there."""
-    out_dir = Path(out_dir)
+    folder = OutputFolder(out_dir)
     pf = plan.file(number)
     t0 = time.perf_counter()
-    if not force and is_complete(out_dir, number, pf.filename, pf.digest):
+    if not force and folder.is_complete(number, pf.filename, pf.digest):
         if progress:
             progress(pf.source_bytes)
         return FileResult(number, pf.filename, True, 0.0, pf.nbytes)
-    kvs = file_kvs(plan, number, out_dir)
+    kvs = file_kvs(plan, number, folder)
+    path = folder.output(pf.filename)
     source.acquire(pf.source_file)
     try:
         entries = shard_entries(plan, number, source)
         reader = Reader(source, entries, progress)
-        path = out_dir / pf.filename
         records, data_start = write_tensors(
             path, ARCH, kvs, pf.tensors, reader, dict.fromkeys(entries, pf.source_file)
         )
     finally:
         source.release(pf.source_file)
-    write_record(
-        out_dir,
-        {
-            "format": FORMAT,
-            "kind": "text",
-            "file": pf.filename,
-            "number": number,
-            "basename": plan.basename,
-            "outtype": plan.outtype,
-            "split_count": len(plan.files),
-            "split_tensors": plan.n_tensors,
-            "size": path.stat().st_size,
-            "plan_digest": pf.digest,
-            "source": {"file": pf.source_file, **pf.shard},
-            "data_start": data_start,
-            "header_sha256": header_sha256(path, data_start),
-            "tensors": records,
-        },
+    folder.write_record(
+        Record(
+            kind="text",
+            file=pf.filename,
+            number=number,
+            size=path.stat().st_size,
+            data_start=data_start,
+            header_sha256=header_sha256(path, data_start),
+            tensors=records,
+            split_count=len(plan.files),
+            split_tensors=plan.n_tensors,
+            plan_digest=pf.digest,
+            basename=plan.basename,
+            outtype=plan.outtype,
+            source={"file": pf.source_file, **pf.shard},
+        )
     )
     return FileResult(number, pf.filename, False, time.perf_counter() - t0, pf.nbytes)

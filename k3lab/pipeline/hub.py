@@ -77,6 +77,7 @@ class HubSource(Source):
         self.scratch = Path(spec.scratch or self.meta_dir / "scratch")
         self._pending: dict[str, Future] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._downloaded: set[str] = set()  # what this source put in scratch: all it may delete
 
     def fetch_meta(self) -> None:
         """Download the metadata files into ``meta`` where missing (the planner's first step)."""
@@ -113,6 +114,10 @@ class HubSource(Source):
             )
         )
 
+    def _download_shard(self, file: str) -> None:
+        self._downloaded.add(file)  # before: a download cut half way is ours to remove too
+        self._download(file, self.scratch)
+
     def acquire(self, file: str) -> None:
         """Download ``file`` into scratch (resuming a partial download), or wait for its prefetch."""
         pending = self._pending.pop(file, None)
@@ -120,7 +125,7 @@ class HubSource(Source):
             pending.result()
         elif not self.local_path(file).exists():
             self.scratch.mkdir(parents=True, exist_ok=True)
-            self._download(file, self.scratch)
+            self._download_shard(file)
 
     def prefetch(self, file: str) -> None:
         if file in self._pending or len(self._pending) >= PREFETCH_AHEAD or self.local_path(file).exists():
@@ -128,14 +133,19 @@ class HubSource(Source):
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="k3lab-prefetch")
         self.scratch.mkdir(parents=True, exist_ok=True)
-        self._pending[file] = self._pool.submit(self._download, file, self.scratch)
+        self._pending[file] = self._pool.submit(self._download_shard, file)
 
     def release(self, file: str) -> None:
-        """Delete a converted shard from scratch (and huggingface_hub's bookkeeping of it)."""
+        """Delete a converted shard from scratch (and huggingface_hub's bookkeeping of it): only a
+        file this source downloaded there, never one it found."""
         super().release(file)
-        if self.keep:
+        if self.keep or file not in self._downloaded:
             return
-        self.local_path(file).unlink(missing_ok=True)
+        self._downloaded.discard(file)
+        path = self.local_path(file)
+        if path.is_symlink() or not path.resolve().is_relative_to(self.scratch.resolve()):
+            return
+        path.unlink(missing_ok=True)
         meta = self.scratch / ".cache" / "huggingface" / "download"
         for leftover in (meta / (file + ".metadata"), meta / (file + ".lock")):
             leftover.unlink(missing_ok=True)

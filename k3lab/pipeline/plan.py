@@ -7,9 +7,12 @@ holds the embeddings and output tensors), so every output file is an independent
 Planning checks that every text source tensor is used by a rule and every rule finds its
 sources, with the right dtypes and shapes: bad input fails here, before anything is written.
 
-A plan is made once per output folder and saved there (``.k3lab/plan.json``, with file 1's KVs
-in ``.k3lab/kvs.json``), keyed by a digest of everything it was made from; every later task loads
-it and reads at most the header of the shard it converts. Each file's digest covers exactly what
+Every source tensor's dtype and shape is checked against what the config implies
+(``kimi_k3.layout``), so a header that disagrees with the config can never convert, nor verify.
+
+A plan is made once per output folder and saved there by the folder's owner (``pipeline.folder``),
+keyed by a digest of everything it was made from; every later task loads it and reads at most the
+header of the shard it converts. Each file's digest covers exactly what
 decides that file's bytes, so a changed input redoes exactly the files it affects.
 """
 
@@ -25,12 +28,12 @@ from typing import Any
 from gguf import GGMLQuantizationType
 
 from k3lab.errors import K3LabError
-from k3lab.formats.gguf_stream import KV, TensorInfo, kvs_from_json, kvs_to_json
-from k3lab.formats.manifest import atomic_write_json
+from k3lab.formats.gguf_stream import KV, TensorInfo, kvs_to_json
 from k3lab.formats.safetensors import TensorEntry
 from k3lab.kimi_k3.config import K3Config
 from k3lab.kimi_k3.keys import model_kvs, size_label
-from k3lab.kimi_k3.rules import RULES, RULES_DIGEST, TEXT_PREFIX, Rule, expert_dims, layer_of
+from k3lab.kimi_k3.layout import TensorSpec, unit_layout
+from k3lab.kimi_k3.rules import RULES, RULES_DIGEST, TEXT_PREFIX, Rule, layer_of
 from k3lab.kimi_k3.transforms import TRANSFORMS, TensorJob, TransformError, job_memory
 from k3lab.pipeline.sources import meta_fingerprint
 from k3lab.util import human_bytes
@@ -177,6 +180,10 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Plan:
+        """The plan ``to_json`` wrote. Anything else raises (KeyError, TypeError, ValueError ...):
+        the folder's owner treats such a plan as absent."""
+        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+            raise PlanError(f"not a {PLAN_FORMAT} plan")
         cfg = K3Config.from_dict(data["config"], data.get("config_path", "config.json"))
         files = [
             PlannedFile(
@@ -231,26 +238,35 @@ def _output_type(rule: Rule, src_dtype: str, outtype: str, where: str) -> GGMLQu
     return FLOAT_DTYPES[src_dtype] if outtype == "auto" else FLOAT_DTYPES[outtype.upper()]
 
 
-def _check_experts(rule: Rule, cfg: K3Config, entries: list[TensorEntry], bid: int) -> None:
-    rows, cols = expert_dims(cfg, rule.output)
-    if rule.dtype == "mxfp4":
-        want = {"weight_packed": ("U8", (rows, cols // 2)), "weight_scale": ("U8", (rows, cols // 32))}
-    else:
-        want = {"weight": (None, (rows, cols))}
-    for e in entries:
-        name = e.name
-        dtype, shape = want[name.rsplit(".", 1)[1]]
-        if (dtype and e.dtype != dtype) or e.shape != shape:
-            raise PlanError(
-                f"{e.file}: tensor {name}: {e.dtype} {list(e.shape)}, expected {dtype or 'float'} "
-                f"{list(shape)} (layer {bid}, {rule.note or rule.output})"
-            )
+FLOAT_SOURCE = ("BF16", "F16", "F32")
+
+
+def check_entry(e: TensorEntry, spec: TensorSpec | None, bid: int | None, rule: Rule) -> None:
+    """A source tensor against what the config says it is: its shape exactly, and its dtype (packed
+    MXFP4 bytes are U8; any float type may hold a float tensor)."""
+    if spec is None:
+        return  # an optional tensor the layout does not list (a vision bias): its rule checks it
+    dtype_ok = e.dtype == spec.dtype if spec.dtype == "U8" else e.dtype in FLOAT_SOURCE
+    if not dtype_ok or e.shape != spec.shape:
+        want = spec.dtype if spec.dtype == "U8" else "float"
+        where = f"layer {bid}" if bid is not None else "output tensors"
+        raise PlanError(
+            f"{e.file}: tensor {e.name}: {e.dtype} {list(e.shape)}, expected {want} {list(spec.shape)} "
+            f"(from config.json; {where}, {rule.note or rule.output_name(bid)})"
+        )
 
 
 def plan_tensor(
-    rule: Rule, cfg: K3Config, source: Any, bid: int | None, outtype: str, where: str
+    rule: Rule,
+    cfg: K3Config,
+    source: Any,
+    bid: int | None,
+    outtype: str,
+    where: str,
+    expected: dict[str, TensorSpec],
 ) -> PlannedTensor | None:
-    """One rule at one layer (or none): its sources checked, output type and shape decided."""
+    """One rule at one layer (or none): its sources checked against ``expected`` (what the config
+    says each source tensor is), output type and shape decided."""
     if not rule.applies(cfg, bid):
         return None
     names = rule.source_names(cfg, bid)
@@ -261,8 +277,8 @@ def plan_tensor(
     if missing:
         raise PlanError(f"{where}: tensor {missing[0]} is missing ({rule.output_name(bid)} needs it)")
     entries = [source.entry(n) for n in names]
-    if rule.per_expert:
-        _check_experts(rule, cfg, entries, bid)
+    for e in entries:
+        check_entry(e, expected.get(e.name), bid, rule)
     try:
         shape = TRANSFORMS[rule.transform].shape(*(e.shape for e in entries), cfg=cfg)
     except TransformError as err:
@@ -311,8 +327,9 @@ def build_plan(
         homes: set[str] = set()
         home = {weight_map[n] for n in by_layer.get(bid, [])}
         where = next(iter(home)) if len(home) == 1 else str(source.index_path)
+        expected = unit_layout(cfg, bid)
         for rule in RULES:
-            pt = plan_tensor(rule, cfg, source, bid, outtype, where)
+            pt = plan_tensor(rule, cfg, source, bid, outtype, where, expected)
             if pt is not None:
                 tensors.append(pt)
                 names = pt.sources
@@ -381,9 +398,7 @@ def file_digest(plan: Plan, pf: PlannedFile) -> str:
     return hashlib.sha256(json.dumps(key, default=list, sort_keys=True).encode()).hexdigest()
 
 
-# --- the plan on disk: OUT/.k3lab/plan.json and OUT/.k3lab/kvs.json ---------------------------------
-
-PLAN_NAME, KVS_NAME = "plan.json", "kvs.json"
+# --- what a plan is made from ------------------------------------------------------------------------
 
 
 def inputs_fingerprint(source: Any, shards: list[str], options: dict[str, Any]) -> dict[str, Any]:
@@ -397,75 +412,36 @@ def inputs_fingerprint(source: Any, shards: list[str], options: dict[str, Any]) 
     }
 
 
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+def inputs_digest(inputs: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
-def plan_dir(out_dir: str | Path) -> Path:
-    return Path(out_dir) / ".k3lab"
-
-
-def load_plan(out_dir: str | Path) -> Plan:
-    """The plan saved in ``out_dir`` (what every conversion task, verify and the notebooks load)."""
-    path = plan_dir(out_dir) / PLAN_NAME
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise PlanError(f"{path}: no plan (`k3lab plan --out-dir` or `k3lab convert` makes it)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PlanError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
-        raise PlanError(f"{path}: not a {PLAN_FORMAT} plan")
-    return Plan.from_json(data)
-
-
-def load_kvs(out_dir: str | Path, plan: Plan) -> list[KV]:
-    """File 1's planned metadata, checked against the plan's digest."""
-    path = plan_dir(out_dir) / KVS_NAME
-    try:
-        kvs = kvs_from_json(json.loads(path.read_text(encoding="utf-8")))
-    except (FileNotFoundError, json.JSONDecodeError, KeyError, ValueError) as e:
-        raise PlanError(f"{path}: missing or unreadable ({type(e).__name__}); plan again") from None
-    if kvs_digest(kvs) != plan.kvs_digest:
-        raise PlanError(f"{path}: does not match {PLAN_NAME} (written by another plan); plan again")
-    return kvs
-
-
-def save_plan(out_dir: str | Path, plan: Plan, kvs: list[KV]) -> Path:
-    d = plan_dir(out_dir)
-    atomic_write_json(d / KVS_NAME, kvs_to_json(kvs), indent=None)
-    atomic_write_json(d / PLAN_NAME, plan.to_json(), indent=None)
-    return d / PLAN_NAME
-
-
-def ensure_plan(
-    out_dir: str | Path,
-    source: Any,
-    outtype: str = "auto",
-    basename: str = "Kimi-K3",
-    chat_template: str | None = None,
-) -> tuple[Plan, list[KV] | None]:
-    """The plan for converting ``source`` into ``out_dir``: the saved one when its inputs are
-    unchanged (cheap: hashes of the metadata files and shard headers), else a new one, with the KVs
-    to save beside it. Nothing is written here: every check runs before a run writes anything."""
-    options = {"outtype": outtype, "basename": basename, "chat_template": chat_template}
-    try:
-        saved = load_plan(out_dir)
-    except PlanError:
-        saved = None
-    if saved is not None:
-        shards = sorted(saved.inputs.get("shards", {}))
-        try:
-            inputs = inputs_fingerprint(source, shards, options)
-        except K3LabError:
-            inputs = None  # a shard went missing: planning again says which
-        if inputs is not None and _digest(inputs) == saved.inputs_digest:
-            return saved, None
+def make_plan(
+    source: Any, outtype: str = "auto", basename: str = "Kimi-K3", chat_template: str | None = None
+) -> tuple[Plan, list[KV]]:
+    """A new plan of converting ``source``, with its inputs' fingerprint, and file 1's KVs."""
+    options = plan_options(outtype, basename, chat_template)
     cfg = K3Config.load(source.meta_dir)
     plan = build_plan(cfg, source, outtype, basename, chat_template)
     plan.inputs = inputs_fingerprint(source, [f.source_file for f in plan.files], options)
-    plan.inputs_digest = _digest(plan.inputs)
+    plan.inputs_digest = inputs_digest(plan.inputs)
     return plan, plan_kvs(plan, source.meta_dir, chat_template)
+
+
+def plan_options(outtype: str, basename: str, chat_template: str | None) -> dict[str, Any]:
+    return {"outtype": outtype, "basename": basename, "chat_template": chat_template}
+
+
+def still_current(saved: Plan, source: Any, options: dict[str, Any]) -> bool:
+    """Whether a saved plan was made from these very inputs (cheap: hashes of the metadata files and
+    shard headers); a shard gone missing reads as changed (planning again says which)."""
+    try:
+        inputs = inputs_fingerprint(source, sorted(saved.inputs.get("shards", {})), options)
+        # the config the plan carries must be the one on disk (a plan's own digest can be forged)
+        same_config = K3Config.load(source.meta_dir).raw == saved.cfg.raw
+    except K3LabError:
+        return False
+    return same_config and inputs_digest(inputs) == saved.inputs_digest
 
 
 # --- memory ------------------------------------------------------------------------------------------

@@ -20,17 +20,17 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm  # a widget bar in a notebook, a text bar on a terminal
 
-from k3lab.errors import K3LabError
-from k3lab.formats.manifest import is_complete, merge
+from k3lab.errors import K3LabError, MachineError
 from k3lab.pipeline.convert import FileResult, convert_file
-from k3lab.pipeline.lock import hold_folder, remove_partials
-from k3lab.pipeline.plan import Plan, PlanError, ensure_plan, load_plan, save_plan
+from k3lab.pipeline.folder import OutputFolder, check_basename
+from k3lab.pipeline.plan import Plan, make_plan, plan_options, still_current
 from k3lab.pipeline.sources import SourceSpec
 
 
@@ -73,10 +73,7 @@ class Task:
 
 @functools.lru_cache(maxsize=2)
 def _task_plan(out_dir: str, plan_digest: str) -> Plan:
-    plan = load_plan(out_dir)
-    if plan.inputs_digest != plan_digest:
-        raise PlanError(f"{out_dir}: the saved plan changed under this run (another run re-planned?)")
-    return plan
+    return OutputFolder(out_dir).require_plan(plan_digest)
 
 
 _progress_queue: Any = None  # set in worker processes by _init_worker
@@ -89,6 +86,8 @@ def run_task(task: Task, number: int, next_number: int | None = None) -> FileRes
     if next_number is not None:
         source.prefetch(plan.file(next_number).source_file)
     q = _progress_queue
+    if q is not None:
+        q.put((number, -os.getpid()))  # which process converts this file (named if it dies)
 
     def progress(n: int) -> None:
         if q is not None:
@@ -141,27 +140,42 @@ class RunOptions:
 def prepare(
     spec: SourceSpec, out_dir: str | Path, options: RunOptions = RunOptions()
 ) -> tuple[Plan, list | None]:
-    """The plan for this output folder, every input checked: the saved one when its inputs are
-    unchanged, else a new one with the KVs to save. Writes nothing into ``out_dir``."""
+    """The plan for this output folder, every input checked: the saved one when it can be trusted
+    and its inputs are unchanged, else a new one with the KVs to save. Writes nothing."""
+    check_basename(options.basename)
+    folder = OutputFolder(out_dir)
+    folder.check_state_dir()
     source = spec.open_fresh()
     if spec.is_hub:
         source.fetch_meta()  # type: ignore[attr-defined]
-    return ensure_plan(out_dir, source, options.outtype, options.basename, options.chat_template)
+    saved = folder.load_plan()
+    if saved is not None and still_current(
+        saved, source, plan_options(options.outtype, options.basename, options.chat_template)
+    ):
+        return saved, None
+    return make_plan(source, options.outtype, options.basename, options.chat_template)
 
 
 @contextlib.contextmanager
 def start_run(
-    spec: SourceSpec, out_dir: str | Path, options: RunOptions = RunOptions(), run_token: str | None = None
-) -> Iterator[tuple[Plan, str]]:
-    """Plan (failing before anything is written), then hold the folder for the block: lock, save a
-    new plan, remove what a killed run left. With ``run_token``, join the run holding the lock."""
+    spec: SourceSpec,
+    out_dir: str | Path,
+    options: RunOptions = RunOptions(),
+    run_token: str | None = None,
+    shards: list[int] | str | None = None,
+) -> Iterator[tuple[Plan, str, list[int]]]:
+    """Plan and pick the files (failing before anything is written), then hold the folder for the
+    block: lock, save a new plan, remove what a killed run left. With ``run_token``, join the run
+    holding the lock."""
     plan, kvs = prepare(spec, out_dir, options)
-    with hold_folder(out_dir, run_token) as token:
+    numbers = shards if isinstance(shards, list) else parse_shards(shards, len(plan.files))
+    folder = OutputFolder(out_dir)
+    with folder.hold(run_token) as token:
         if kvs is not None:
-            save_plan(out_dir, plan, kvs)
+            folder.save_plan(plan, kvs)
         if run_token is None:
-            remove_partials(out_dir)
-        yield plan, token
+            folder.remove_partials()
+        yield plan, token, numbers
 
 
 def convert_shards(
@@ -178,8 +192,7 @@ def convert_shards(
     ``jobs`` at a time, or one Dask task each on the cluster at ``scheduler``; merge the manifest.
     Progress: none when ``quiet``; shown on a terminal only when False; always when None (a notebook,
     whose output is no terminal)."""
-    with start_run(spec, out_dir, options, run_token) as (plan, token):
-        numbers = shards if isinstance(shards, list) else parse_shards(shards, len(plan.files))
+    with start_run(spec, out_dir, options, run_token, shards) as (plan, token, numbers):
         return _convert_planned(plan, spec, str(out_dir), numbers, jobs, quiet, scheduler, options)
 
 
@@ -194,11 +207,12 @@ def _convert_planned(
     options: RunOptions,
 ) -> list[FileResult]:
     task = Task(out_dir, spec, plan.inputs_digest, options.force)
+    folder = OutputFolder(out_dir)
     results: list[FileResult] = []
     todo = []
     for k in numbers:  # complete files are found here, not sent anywhere
         pf = plan.file(k)
-        if not options.force and is_complete(out_dir, k, pf.filename, pf.digest):
+        if not options.force and folder.is_complete(k, pf.filename, pf.digest):
             results.append(FileResult(k, pf.filename, True, 0.0, pf.nbytes))
         else:
             todo.append(k)
@@ -230,7 +244,7 @@ def _convert_planned(
         if spec.is_hub:
             spec.open().close()  # type: ignore[attr-defined]
         try:
-            merge(out_dir)
+            folder.merge()
         except K3LabError as e:  # (a full disk) reported after the error that came first
             errors.append(e)
     if errors:
@@ -272,17 +286,25 @@ def _run_pool(task: Task, todo: list[int], jobs: int, overall: Any, results: lis
     finally:
         signal.signal(signal.SIGINT, previous)
     stopping = False
+    busy: dict[int, int] = {}  # pid -> the file it converts
+    workers: dict[int, Any] = {}  # pid -> its Process (the pool forgets them once broken)
     try:
         while pending:
-            _drain(q, overall)
+            _drain(q, overall, busy)
+            workers.update(getattr(pool, "_processes", None) or {})
             for f in [f for f in pending if f.done()]:
                 pending.discard(f)
                 try:
                     results.append(f.result())
                 except K3LabError as e:
                     errors.append(e)
+                except BrokenProcessPool:
+                    _drain(q, overall, busy)
+                    errors.append(_worker_died(workers, busy, results))
+                    pending.clear()
+                    break
             time.sleep(0.05)
-        _drain(q, overall)
+        _drain(q, overall, busy)
     except BaseException:  # Ctrl-C, SIGTERM: stop the workers now, not after their remaining shards
         stopping = True
         raise
@@ -308,10 +330,37 @@ def _stop_workers(pool: ProcessPoolExecutor, grace: float = 1.5) -> None:
             p.join(1)
 
 
-def _drain(q: Any, overall: Any) -> None:
+def _drain(q: Any, overall: Any, busy: dict[int, int] | None = None) -> None:
+    """Progress from the workers: bytes read, or (as a negative number) the pid starting a file."""
     while True:
         try:
-            _, n = q.get_nowait()
+            number, n = q.get_nowait()
         except queue_mod.Empty:
             return
-        overall.update(n)
+        if n < 0:
+            if busy is not None:
+                busy[-n] = number
+        else:
+            overall.update(n)
+
+
+def _worker_died(workers: dict[int, Any], busy: dict[int, int], results: list[FileResult]) -> MachineError:
+    """A worker killed from outside (the OOM killer, kill -9): one line naming its file and signal."""
+    done = {r.number for r in results}
+    dead = []
+    for p in workers.values():
+        p.join(1)
+        if p.exitcode and busy.get(p.pid) not in done | {None}:
+            dead.append(p)
+    # the pool terminates the others once one dies: the one killed from outside is not a SIGTERM
+    dead.sort(key=lambda p: p.exitcode == -signal.SIGTERM)
+    for p in dead:
+        how = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit code {p.exitcode}"
+        return MachineError(
+            f"worker for shard {busy[p.pid]} died ({how}); finished files are kept: run the command again"
+        )
+    idle = [p for p in workers.values() if p.exitcode and p.exitcode != -signal.SIGTERM]
+    how = f" (signal {-idle[0].exitcode})" if idle and idle[0].exitcode < 0 else ""
+    return MachineError(
+        f"a worker process died{how} before it began a shard; finished files are kept: run the command again"
+    )

@@ -18,17 +18,18 @@ from __future__ import annotations
 import abc
 import functools
 import hashlib
-import json
 import mmap
 import os
+import re
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
 
 from k3lab.errors import K3LabError
+from k3lab.formats.files import InputFileError, open_regular, read_json
 from k3lab.formats.safetensors import (
     TensorEntry,
     parse_header,
@@ -46,30 +47,70 @@ class SourceError(K3LabError):
     """The index and the files disagree, or a file is missing."""
 
 
+INDEX_LIMIT = 512 * 1024 * 1024  # the real index is ~40 MB
+META_LIMIT = 256 * 1024 * 1024  # a config, tokenizer file or template larger than this is not one
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def check_shard_name(name: str, where: str) -> None:
+    """A file name from an index (maybe a stranger's) must be a relative path inside the source:
+    no absolute path, no ``..``, no control characters (NUL, newline). One line naming the entry."""
+    parts = PurePosixPath(name).parts
+    if (
+        not name
+        or _CONTROL.search(name)
+        or "\\" in name
+        or name.startswith("/")
+        or any(p in ("..", ".") for p in parts)
+        or not name.endswith(".safetensors")
+    ):
+        raise SourceError(
+            f"{where}: names file {name!r}; an index may only name .safetensors files inside the checkpoint "
+            "(a relative path, no '..')"
+        )
+
+
 def read_index(*dirs: str | Path) -> tuple[Path, dict[str, str]]:
     """The first ``model.safetensors.index.json`` found in ``dirs``: (its path, weight_map)."""
     for d in dirs:
         path = Path(d) / INDEX_NAME
-        if path.exists():
+        if path.exists() or path.is_symlink():
+            index = read_json(path, INDEX_LIMIT, "safetensors index")
             try:
-                index = json.loads(path.read_text(encoding="utf-8"))
                 weight_map = index["weight_map"]
                 if not isinstance(weight_map, dict):
                     raise TypeError("weight_map is not an object")
                 if not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
                     raise TypeError("weight_map maps tensor names to file names (strings)")
-            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
+            except (KeyError, TypeError) as e:
                 raise SourceError(f"{path}: not a safetensors index ({type(e).__name__}: {e})") from None
             files: dict[str, str] = {}  # one string object per file name: 500k entries share 96
-            return path, {k: files.setdefault(v, v) for k, v in weight_map.items()}
+            for name, file in weight_map.items():
+                if file not in files:
+                    check_shard_name(file, f"{path}: tensor {name}")
+                    files[file] = file
+                if _CONTROL.search(name):
+                    raise SourceError(f"{path}: tensor name {name!r} holds a control character")
+            return path, {k: files[v] for k, v in weight_map.items()}
     raise SourceError(f"{INDEX_NAME} not found in {', '.join(str(d) for d in dirs)}")
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 22):
+def sha256_file(path: Path, limit: int = META_LIMIT) -> str:
+    """SHA-256 of a regular file of at most ``limit`` bytes (a FIFO or a device is one line)."""
+    fd, size = open_regular(path, "metadata file")
+    try:
+        if size > limit:
+            raise InputFileError(f"{path}: {size} bytes; a metadata file is at most {limit} bytes")
+        h, total = hashlib.sha256(), 0
+        while chunk := os.read(fd, 1 << 22):
             h.update(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise InputFileError(f"{path}: more than {limit} bytes; a metadata file is not this large")
+    except OSError as e:
+        raise InputFileError(f"{path}: cannot read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
     return h.hexdigest()
 
 
@@ -78,7 +119,8 @@ def meta_fingerprint(meta_dir: str | Path) -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for name in META_FILES + OPTIONAL_META:
         path = Path(meta_dir) / name
-        out[name] = sha256_file(path) if path.is_file() else None
+        present = path.exists() or path.is_symlink()
+        out[name] = sha256_file(path) if present else None
     return out
 
 
@@ -196,7 +238,7 @@ class Source(abc.ABC):
 
     def _parse(self, file: str) -> dict[str, TensorEntry]:
         path = self.local_path(file)
-        local = path.exists()
+        local = path.exists() or path.is_symlink()
         raw, size = read_raw_header(path) if local else self._fetch_raw_header(file)
         self._header_sha[file] = hashlib.sha256(raw).hexdigest()
         entries, _ = parse_header(raw, str(path) if local else self.where(file), size)
@@ -252,10 +294,7 @@ class Source(abc.ABC):
         with self._lock:
             fd = self._fds.get(file)
             if fd is None:
-                try:
-                    fd = os.open(file, os.O_RDONLY)
-                except FileNotFoundError:
-                    raise SourceError(f"{file}: not found (was it acquired?)") from None
+                fd, _ = open_regular(file, "safetensors file")
                 self._fds[file] = fd
         return fd
 
@@ -279,7 +318,7 @@ class Source(abc.ABC):
         out = {}
         for f in files:
             path = self.local_path(f)
-            if not path.exists():
+            if not path.exists() and not path.is_symlink():
                 raise SourceError(f"{self.index_path}: names {f}, which is not in {path.parent}")
             raw, size = read_raw_header(path)
             out[f] = {"size": size, "header_sha256": hashlib.sha256(raw).hexdigest()}

@@ -10,7 +10,6 @@ converter's own streaming code and compared, and the source tensors' hashes are 
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,8 @@ import gguf
 import numpy as np
 from tqdm import tqdm
 
-from k3lab.formats.manifest import MANIFEST_NAME, RECORDS_DIR, ManifestError, check_manifest
+from k3lab.pipeline.folder import OutputFolder
+from k3lab.pipeline.record import ManifestError, Record
 
 READ = 16 * 1024 * 1024
 
@@ -37,33 +37,20 @@ class Report:
         return not self.problems
 
 
-def load_manifest(out_dir: Path, manifest: str | Path | None) -> dict[str, Any]:
-    """The manifest (or, without one, the per-file records), every field checked: a malformed one is
-    one line, never a traceback later."""
-    path = Path(manifest) if manifest else out_dir / MANIFEST_NAME
-    if path.is_dir():
-        raise ManifestError(f"{path}: is a directory, not a manifest")
-    if path.exists():
-        try:
-            man = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-            raise ManifestError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
-        check_manifest(man, path)
-        return man
-    records = [
-        p for p in sorted((out_dir / RECORDS_DIR).glob("*.json")) if p.name not in ("plan.json", "kvs.json")
-    ]
-    if manifest or not records:
+def load_manifest(out_dir: Path, manifest: str | Path | None) -> list[Record]:
+    """The manifest's records (or, without one, the per-file records in ``.k3lab/``), every field
+    checked: a malformed one is one line, never a traceback later."""
+    folder = OutputFolder(out_dir)
+    path = Path(manifest) if manifest else folder.manifest
+    if path.exists() or manifest:
+        return folder.read_manifest(path)
+    damaged = folder.damaged_records()
+    if damaged:
+        raise ManifestError(f"{folder.state / damaged[0]}: damaged or edited record (its digest differs)")
+    records = folder.records()
+    if not records:
         raise ManifestError(f"{path}: no manifest (convert writes it; or pass --manifest)")
-    files = []
-    for p in records:
-        try:
-            files.append(json.loads(p.read_text(encoding="utf-8")))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ManifestError(f"{p}: not valid JSON ({e})") from None
-    man = {"files": files}
-    check_manifest(man, out_dir / RECORDS_DIR)
-    return man
+    return records
 
 
 def _split_fields(path: Path) -> dict[str, int]:
@@ -75,20 +62,20 @@ def _split_fields(path: Path) -> dict[str, int]:
     return out
 
 
-def _check_file(path: Path, rec: dict[str, Any], report: Report, advance: Callable[[int], None]) -> None:
-    name = rec["file"]
+def _check_file(path: Path, rec: Record, report: Report, advance: Callable[[int], None]) -> None:
+    name = rec.file
     size = path.stat().st_size
-    if size != rec["size"]:
-        kind = "truncated" if size < rec["size"] else "longer than recorded"
-        report.problems.append(f"{name}: {kind}: {size} bytes, the manifest says {rec['size']}")
+    if size != rec.size:
+        kind = "truncated" if size < rec.size else "longer than recorded"
+        report.problems.append(f"{name}: {kind}: {size} bytes, the manifest says {rec.size}")
         return
-    tensors = sorted(rec["tensors"], key=lambda t: t["offset"])
+    tensors = sorted(rec.tensors, key=lambda t: t["offset"])
     bad: list[str] = []
     with open(path, "rb") as fh:
-        header = fh.read(rec["data_start"])
-        if hashlib.sha256(header).hexdigest() != rec["header_sha256"]:
+        header = fh.read(rec.data_start)
+        if hashlib.sha256(header).hexdigest() != rec.header_sha256:
             report.problems.append(f"{name}: header (metadata and tensor infos) differs from the manifest")
-        pos = rec["data_start"]
+        pos = rec.data_start
         for t in tensors + [None]:
             end = t["offset"] if t else size
             gap = fh.read(end - pos)
@@ -117,6 +104,9 @@ def _check_file(path: Path, rec: dict[str, Any], report: Report, advance: Callab
         report.problems += [f"{name}: tensor {b}: SHA-256 differs from the manifest" for b in bad]
 
 
+MAX_LISTED = 20  # problems of one kind listed one by one; the rest are counted
+
+
 def verify(
     out_dir: str | Path,
     manifest: str | Path | None = None,
@@ -126,66 +116,112 @@ def verify(
     only: set[str] | None = None,
 ) -> Report:
     """Check the split set in ``out_dir``; with ``src`` also re-derive it from the source.
-    ``only`` restricts the check to those file names (one shard of a run still in progress)."""
+    ``only`` restricts the check to those file names (one shard of a run still in progress).
+    The work is bounded by the records and the files present, never by a count a manifest claims."""
     out_dir = Path(out_dir)
-    man = load_manifest(out_dir, manifest)
-    n_tensors = sum(len(r["tensors"]) for r in man["files"] if r.get("kind", "text") == "text")
+    folder = OutputFolder(out_dir)
+    every = load_manifest(out_dir, manifest)
     if only is not None:
-        man = {**man, "files": [r for r in man["files"] if r["file"] in only]}
-        missing = sorted(only - {r["file"] for r in man["files"]})
+        missing = sorted(only - {r.file for r in every})
         if missing:
             return Report(problems=[f"{missing[0]}: no manifest record (not converted yet?)"])
-    records = [r for r in man["files"] if r.get("kind", "text") == "text"]
-    others = [r for r in man["files"] if r.get("kind", "text") != "text"]
+    chosen = [r for r in every if only is None or r.file in only]
+    records = [r for r in chosen if r.is_text]
+    others = [r for r in chosen if not r.is_text]
     report = Report()
     if not records and not others:
         report.problems.append(f"{out_dir}: the manifest lists no files")
         return report
-    count = records[0]["split_count"] if records else 0
-    present = {r["number"]: r for r in records}
-    for k in range(1, count + 1 if only is None else 0):
-        if k not in present:
-            report.problems.append(f"split file {k} of {count}: not in the manifest (not converted yet?)")
-    total = sum(r["size"] for r in records + others)
+    texts = [r for r in every if r.is_text]
+    count = texts[0].split_count if texts else 0
+    n_tensors = texts[0].split_tensors if texts else 0
+    _check_set(folder, texts, count, n_tensors, report, complete=only is None)
+    total = sum(r.size for r in records + others)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=True if quiet else None)
     names: dict[str, str] = {}
     if only is None:  # a .gguf in the folder that the manifest does not know is not part of this set
-        listed = {r["file"] for r in records + others}
+        listed = {r.file for r in every}
         for stray in sorted(p.name for p in out_dir.glob("*.gguf") if p.name not in listed):
             report.problems.append(f"{stray}: in the folder but not part of this set (not in the manifest)")
     for rec in records + others:
-        path = out_dir / rec["file"]
-        if path.is_dir():
-            report.problems.append(f"{rec['file']}: is a directory, not a GGUF file")
+        path = out_dir / rec.file
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            kind = "a directory" if path.is_dir() else "not a regular file"
+            report.problems.append(f"{rec.file}: is {kind}, not a GGUF file")
             continue
         if not path.exists():
-            report.problems.append(f"{rec['file']}: missing")
-            continue
-        if not path.is_file():
-            report.problems.append(f"{rec['file']}: is not a regular file")
+            report.problems.append(f"{rec.file}: missing")
             continue
         report.files += 1
-        report.bytes += rec["size"]
-        for t in rec["tensors"]:
-            if t["name"] in names and rec in records:
-                report.problems.append(f"{rec['file']}: tensor {t['name']}: also in {names[t['name']]}")
-            names[t["name"]] = rec["file"]
+        report.bytes += rec.size
+        for t in rec.tensors:
+            if t["name"] in names and rec.is_text:
+                report.problems.append(f"{rec.file}: tensor {t['name']}: also in {names[t['name']]}")
+            names[t["name"]] = rec.file
         _check_file(path, rec, report, bar.update)
-        if rec in records and path.stat().st_size == rec["size"]:
+        if rec.is_text and path.stat().st_size == rec.size:
             try:
                 fields = _split_fields(path)
             except Exception as e:  # a header gguf-py cannot even parse
-                report.problems.append(f"{rec['file']}: header unreadable ({e})")
+                report.problems.append(f"{rec.file}: header unreadable ({e})")
                 continue
-            total = rec.get("split_tensors", n_tensors)
-            want = {"split.no": rec["number"] - 1, "split.count": count, "split.tensors.count": total}
+            want = {"split.no": rec.number - 1, "split.count": count, "split.tensors.count": n_tensors}
             for key, value in want.items():
                 if fields.get(key) != value:
-                    report.problems.append(f"{rec['file']}: {key} is {fields.get(key)}, expected {value}")
+                    report.problems.append(f"{rec.file}: {key} is {fields.get(key)}, expected {value}")
     bar.close()
     if src is not None:
         _rederive(out_dir, records, Path(src), Path(meta or src), report, quiet)
     return report
+
+
+def _check_set(
+    folder: OutputFolder, texts: list[Record], count: int, n_tensors: int, report: Report, complete: bool
+) -> None:
+    """The records agree on the set (count, tensors, numbers within it, no number twice) and, where
+    the folder holds a plan it can trust, with that plan: file names, tensor names, types and shapes."""
+    for r in texts:
+        if r.split_count != count or r.split_tensors != n_tensors:
+            report.problems.append(
+                f"{r.file}: says the set has {r.split_count} files and {r.split_tensors} tensors, "
+                f"{texts[0].file} says {count} and {n_tensors}"
+            )
+        if not 1 <= r.number <= count:
+            report.problems.append(f"{r.file}: number {r.number} is outside the set's 1..{count}")
+    numbers = [r.number for r in texts]
+    if len(set(numbers)) != len(numbers):
+        report.problems.append("the manifest lists a split file number twice")
+    if complete and count:
+        absent = count - len({n for n in numbers if 1 <= n <= count})
+        if absent > len(texts) + MAX_LISTED:  # a count no folder of records backs: say so once
+            report.problems.append(f"the manifest claims {count} split files but lists {len(texts)}")
+        else:
+            gone = [k for k in range(1, count + 1) if k not in set(numbers)]
+            for k in gone[:MAX_LISTED]:
+                report.problems.append(f"split file {k} of {count}: not in the manifest (not converted yet?)")
+            if len(gone) > MAX_LISTED:
+                report.problems.append(
+                    f"... and {len(gone) - MAX_LISTED} more split files not in the manifest"
+                )
+    plan = folder.load_plan()
+    if plan is None or len(plan.files) != count:
+        return
+    for r in texts:
+        if not 1 <= r.number <= count:
+            continue
+        pf = plan.file(r.number)
+        planned = {t.name: (t.info.type.name, list(t.info.ne)) for t in pf.tensors}
+        recorded = {t["name"]: (t["type"], t["ne"]) for t in r.tensors}
+        if r.file != pf.filename:
+            report.problems.append(f"{r.file}: the folder's plan names file {r.number} {pf.filename}")
+        elif recorded != planned:
+            name = next(
+                (n for n in sorted(planned.keys() | recorded.keys()) if planned.get(n) != recorded.get(n)),
+                "?",
+            )
+            report.problems.append(
+                f"{r.file}: tensor {name}: recorded {recorded.get(name)}, the folder's plan says {planned.get(name)}"
+            )
 
 
 def _rederive(
@@ -195,41 +231,39 @@ def _rederive(
     record was made from other inputs (another config, tokenizer or template) is reported stale."""
     from k3lab.kimi_k3.config import K3Config
     from k3lab.pipeline.convert import Reader, tensor_pieces
-    from k3lab.pipeline.plan import PlanError, build_plan, load_plan
+    from k3lab.pipeline.plan import build_plan
     from k3lab.pipeline.sources import LocalSource
 
     if not records:
         return
-    try:
-        options = load_plan(out_dir).inputs.get("options", {})
-    except PlanError:
-        options = {}
+    saved = OutputFolder(out_dir).load_plan()
+    options = saved.inputs.get("options", {}) if saved is not None else {}
     source = LocalSource(src, meta)
-    plan = build_plan(
+    plan = build_plan(  # every source tensor checked against the config, as converting does
         K3Config.load(meta),
         source,
-        records[0]["outtype"],
-        records[0]["basename"],
+        records[0].outtype,
+        records[0].basename,
         options.get("chat_template"),
     )
     bar = tqdm(
-        total=sum(plan.file(r["number"]).source_bytes for r in records if r["number"] <= len(plan.files)),
+        total=sum(plan.file(r.number).source_bytes for r in records if r.number <= len(plan.files)),
         unit="B",
         unit_scale=True,
         desc="re-derive",
         disable=True if quiet else None,
     )
     for rec in records:
-        if rec["number"] > len(plan.files):
-            report.problems.append(f"{rec['file']}: the source plans only {len(plan.files)} files")
+        if not 1 <= rec.number <= len(plan.files):
+            report.problems.append(f"{rec.file}: the source plans only {len(plan.files)} files")
             continue
-        pf = plan.file(rec["number"])
-        if rec.get("plan_digest") != pf.digest:
+        pf = plan.file(rec.number)
+        if rec.plan_digest != pf.digest:
             what = "metadata, tensors or source shard" if pf.number == 1 else "tensors or source shard"
             report.problems.append(
-                f"{rec['file']}: stale: made from other inputs than {src} ({what} differ); convert again"
+                f"{rec.file}: stale: made from other inputs than {src} ({what} differ); convert again"
             )
-        want = {t["name"]: t for t in rec["tensors"]}
+        want = {t["name"]: t for t in rec.tensors}
         entries = source.header(pf.source_file)
         reader = Reader(source, entries, bar.update)
         for pt in pf.tensors:
@@ -239,12 +273,17 @@ def _rederive(
             t = want.get(pt.name)
             if t is None:
                 report.problems.append(
-                    f"{rec['file']}: tensor {pt.name}: planned from the source but not in the manifest"
+                    f"{rec.file}: tensor {pt.name}: planned from the source but not in the manifest"
                 )
                 continue
+            if (t["type"], t["ne"]) != (pt.info.type.name, list(pt.info.ne)):
+                report.problems.append(
+                    f"{rec.file}: tensor {pt.name}: recorded {t['type']} {t['ne']}, the source gives "
+                    f"{pt.info.type.name} {list(pt.info.ne)}"
+                )
             if h.hexdigest() != t["sha256"]:
                 report.problems.append(
-                    f"{rec['file']}: tensor {pt.name}: re-derived from the source, SHA-256 differs "
+                    f"{rec.file}: tensor {pt.name}: re-derived from the source, SHA-256 differs "
                     f"(source {pf.source_file}: {pt.sources[0]}"
                     + (f" and {len(pt.sources) - 1} more)" if len(pt.sources) > 1 else ")")
                 )

@@ -9,18 +9,18 @@ keys follow llama.cpp's Kimi-K2.5 converter (``KimiK25Model``: projector type ``
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from gguf import GGUFValueType
 
+from k3lab.formats.files import read_json
 from k3lab.formats.gguf_stream import KV
-from k3lab.formats.manifest import record_single_file
 from k3lab.kimi_k3.config import K3Config
+from k3lab.kimi_k3.layout import vision_layout
 from k3lab.kimi_k3.rules import VISION_RULES
 from k3lab.pipeline.convert import Reader, write_tensors
-from k3lab.pipeline.lock import hold_folder
+from k3lab.pipeline.folder import OutputFolder
 from k3lab.pipeline.plan import OTHER_PREFIXES, PlanError, PlannedTensor, plan_tensor
 from k3lab.pipeline.sources import LocalSource
 
@@ -50,7 +50,10 @@ def preprocessor_config(meta_dir: str | Path) -> dict[str, Any]:
     path = Path(meta_dir) / "preprocessor_config.json"
     cfg = dict(DEFAULT_PREPROCESSOR)
     if path.exists():
-        cfg.update(json.loads(path.read_text(encoding="utf-8")))
+        given = read_json(path, 1 << 20, "preprocessor config")
+        if not isinstance(given, dict):
+            raise PlanError(f"{path}: not a JSON object")
+        cfg.update(given)
     return cfg
 
 
@@ -100,10 +103,11 @@ def plan_vision(cfg: K3Config, source: Any) -> list[PlannedTensor]:
     if not names:
         raise PlanError(f"{source.index_path}: no vision_tower.* or mm_projector.* tensors")
     where = source.weight_map[names[0]]
+    expected = vision_layout(cfg)
     planned: list[PlannedTensor] = []
     for bid in [None, *range(int(cfg.vision["vt_num_hidden_layers"]))]:
         for rule in VISION_RULES:
-            pt = plan_tensor(rule, cfg, source, bid, "auto", where)
+            pt = plan_tensor(rule, cfg, source, bid, "auto", where, expected)
             if pt is not None:
                 planned.append(pt)
     used = {n for pt in planned for n in pt.sources}
@@ -115,20 +119,28 @@ def plan_vision(cfg: K3Config, source: Any) -> list[PlannedTensor]:
 
 def convert_vision(meta_dir: str | Path, src_dir: str | Path, out: str | Path) -> Path:
     """Write the mmproj GGUF and its manifest record (``OUT_DIR/.k3lab/mmproj.json``): planned and
-    checked first, then written holding the folder's lock."""
+    checked first (``out`` may not be part of a split set), then written holding the folder's lock."""
+    out = Path(out)
+    folder = OutputFolder(out.parent)
+    folder.check_single_output(out)
     cfg = K3Config.load(meta_dir)
     source = LocalSource(src_dir, meta_dir)
     planned = plan_vision(cfg, source)
-    out = Path(out)
     files = sorted({source.weight_map[n] for pt in planned for n in pt.sources})
     entries = {n: e for f in files for n, e in source.header(f).items()}
     kvs = clip_kvs(cfg, preprocessor_config(meta_dir))
-    with hold_folder(out.parent):
-        return _write_mmproj(out, kvs, planned, source, entries)
+    with folder.hold():
+        folder.check_single_output(out)  # (a plan saved meanwhile)
+        return _write_mmproj(folder, out, kvs, planned, source, entries)
 
 
 def _write_mmproj(
-    out: Path, kvs: list[KV], planned: list[PlannedTensor], source: LocalSource, entries: dict
+    folder: OutputFolder,
+    out: Path,
+    kvs: list[KV],
+    planned: list[PlannedTensor],
+    source: LocalSource,
+    entries: dict,
 ) -> Path:
     files = sorted({source.weight_map[n] for n in entries})
     try:
@@ -143,17 +155,23 @@ def _write_mmproj(
     finally:
         for f in files:
             source.release(f)
-    record_single_file(out, "vision", "mmproj", data_start, records)
+    folder.record_single(out, "vision", "mmproj", data_start, records)
     return out
 
 
 def convert_tokenizer(meta_dir: str | Path, out: str | Path, chat_template: str | None = None) -> Path:
     """The standalone tokenizer GGUF (vocabulary and hyperparameters, no tensors), with its manifest
     record beside it, written holding the folder's lock."""
-    from k3lab.kimi_k3.tokenizer import write_tokenizer_gguf
+    from k3lab.formats.gguf_stream import write_metadata_only
+    from k3lab.kimi_k3.keys import ARCH
+    from k3lab.kimi_k3.tokenizer import tokenizer_kvs
 
     out = Path(out)
-    with hold_folder(out.parent):
-        write_tokenizer_gguf(meta_dir, out, chat_template)
-        record_single_file(out, "tokenizer", "tokenizer", out.stat().st_size, [])
+    folder = OutputFolder(out.parent)
+    folder.check_single_output(out)
+    kvs = tokenizer_kvs(meta_dir, chat_template)  # every input checked before the folder is touched
+    with folder.hold():
+        folder.check_single_output(out)
+        write_metadata_only(out, ARCH, kvs)
+        folder.record_single(out, "tokenizer", "tokenizer", out.stat().st_size, [])
     return out

@@ -32,9 +32,9 @@ from k3lab.formats import mxfp4
 from k3lab.formats.numerics import f32_to_bf16_bits
 from k3lab.formats.safetensors import NUMPY_DTYPE, build_header, data_size
 from k3lab.kimi_k3.config import K3Config
+from k3lab.kimi_k3.layout import TensorSpec, checkpoint_layout, shard_filename
 
 from . import bpe
-from .layout import TensorSpec, checkpoint_layout, shard_filename
 from .presets import N_SPECIAL, PRESETS
 
 # how often each E2M1 magnitude index 0..7 appears in a quantised Gaussian block (out of 256)

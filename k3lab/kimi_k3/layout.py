@@ -1,4 +1,7 @@
-"""Which tensors a Kimi-K3 checkpoint holds, with dtype and shape, shard by shard.
+"""Which tensors a Kimi-K3 checkpoint holds, with dtype and shape, shard by shard, from its config.
+
+The planner checks every source tensor against this (a header whose shape disagrees with the config
+is one error before anything is written) and ``k3lab synth`` writes checkpoints from it.
 
 This is the published layout: shard k (1..n_layer) holds exactly layer k-1; shard n_layer+1 the
 embeddings, lm_head, final norm and output AttnRes pair; then one shard of ``mm_projector`` and
@@ -11,8 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from k3lab.kimi_k3.config import K3Config
+from k3lab.kimi_k3.rules import TEXT_PREFIX
 
-LM = "language_model."
+LM = TEXT_PREFIX
 
 
 @dataclass(frozen=True)
@@ -163,12 +167,30 @@ def _vision_shard(cfg: K3Config, f: str) -> list[TensorSpec]:
 
 def checkpoint_layout(cfg: K3Config) -> list[list[TensorSpec]]:
     """The tensors of each source shard, in shard order (index 0 is shard 1)."""
-    f = "F32" if cfg.raw.get("dtype") == "float32" else "BF16"
+    f = source_dtype(cfg)
     shards = [_text_layer(cfg, i, f) for i in range(cfg.n_layer)]
     shards.append(_output_shard(cfg, f))
     if cfg.vision:
         shards += [_projector_shard(cfg, f), _vision_shard(cfg, f)]
     return shards
+
+
+def source_dtype(cfg: K3Config) -> str:
+    return "F32" if cfg.raw.get("dtype") == "float32" else "BF16"
+
+
+def unit_layout(cfg: K3Config, bid: int | None) -> dict[str, TensorSpec]:
+    """The source tensors of one unit of the text model (layer ``bid``, or None: the output
+    tensors), by name: what the config says each must be."""
+    f = source_dtype(cfg)
+    specs = _text_layer(cfg, bid, f) if bid is not None else _output_shard(cfg, f)
+    return {s.name: s for s in specs}
+
+
+def vision_layout(cfg: K3Config) -> dict[str, TensorSpec]:
+    """The vision tower's and projector's source tensors, by name."""
+    f = source_dtype(cfg)
+    return {s.name: s for s in (*_projector_shard(cfg, f), *_vision_shard(cfg, f))}
 
 
 def shard_filename(k: int, n: int) -> str:

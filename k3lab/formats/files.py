@@ -1,0 +1,146 @@
+"""Opening files that may be hostile: a FIFO, a device, a directory, a symlink into /proc, a huge file.
+
+Every input and state file k3lab reads goes through here. A file is opened non-blocking (opening a
+FIFO for reading would otherwise wait forever for a writer), ``fstat``-checked as a regular file on
+the descriptor it will read (no check-then-open race), and whole-file reads are bounded: a file
+over its limit, or one whose size the kernel reports as 0 but that yields more (``/proc``), is
+refused. Any failure is one ``InputFileError`` naming the file. Nothing here knows a model.
+
+Files k3lab *creates* are opened with ``O_NOFOLLOW | O_EXCL``: never through a symlink, never over
+a file somebody else made (see ``pipeline.folder``).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from k3lab.errors import K3LabError
+
+MiB = 1024 * 1024
+
+
+class InputFileError(K3LabError):
+    """A file that is not a regular file of sane size, or cannot be read: one line naming it."""
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISLNK(mode):
+        return "a symlink"
+    return "not a regular file"
+
+
+def open_regular(path: str | os.PathLike, what: str = "file", follow: bool = True) -> tuple[int, int]:
+    """A read-only descriptor of ``path`` and its size, checked on that descriptor to be a regular
+    file. ``follow=False`` refuses a symlink (state files k3lab made itself are never symlinks)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise InputFileError(f"{path}: {what} not found") from None
+    except IsADirectoryError:
+        raise InputFileError(f"{path}: is a directory, not a {what}") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise InputFileError(f"{path}: is a symlink; k3lab does not follow symlinks here") from None
+        raise InputFileError(f"{path}: cannot open the {what} ({e.strerror or e})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InputFileError(f"{path}: is {_kind(st.st_mode)}, not a {what}")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def read_bounded(path: str | os.PathLike, limit: int, what: str = "file", follow: bool = True) -> bytes:
+    """The whole of a regular file of at most ``limit`` bytes."""
+    fd, size = open_regular(path, what, follow)
+    try:
+        if size > limit:
+            raise InputFileError(
+                f"{path}: {size} bytes; a {what} is at most {limit} bytes (is this the right file?)"
+            )
+        chunks, total = [], 0
+        while True:
+            chunk = os.read(fd, min(limit + 1 - total, 16 * MiB) or 1)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise InputFileError(f"{path}: more than {limit} bytes; a {what} is not this large")
+    except OSError as e:
+        raise InputFileError(f"{path}: cannot read the {what} ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
+
+
+def read_text(path: str | os.PathLike, limit: int, what: str = "file") -> str:
+    data = read_bounded(path, limit, what)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputFileError(f"{path}: the {what} is not UTF-8 ({e})") from None
+
+
+def read_json(path: str | os.PathLike, limit: int, what: str = "JSON file") -> Any:
+    """Parsed JSON of a bounded regular file; invalid JSON is one line naming the file."""
+    data = read_bounded(path, limit, what)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise InputFileError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
+
+
+def is_regular(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is (through symlinks) a regular file, without opening it."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def write_new(path: Path, data: bytes) -> None:
+    """Create ``path`` (which must not exist: ``O_EXCL``, never through a symlink), write, fsync."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (where the filesystem lets a directory be fsynced)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def json_bytes(data: Any, indent: int | None = None) -> bytes:
+    return (json.dumps(data, indent=indent, sort_keys=True) + "\n").encode("utf-8")

@@ -1,0 +1,426 @@
+"""The output folder's one owner: the only code that names, opens, writes or deletes anything in
+``OUT/`` and ``OUT/.k3lab/``.
+
+Layout (README, "On-disk state"):
+  OUT/NAME-000NN-of-000MM.gguf  finished text files (``NAME.partial`` while written)
+  OUT/mmproj-*.gguf, tokenizer  single files written by ``vision`` / ``tokenizer``
+  OUT/MANIFEST.json             every record merged; rebuilt from the records, plain JSON
+  OUT/.k3lab/lock               held (``flock``) by the one run writing the folder: "PID TOKEN"
+  OUT/.k3lab/plan.json          the plan, naming the digest of file 1's KVs (written last)
+  OUT/.k3lab/kvs.json           file 1's planned metadata
+  OUT/.k3lab/00001.json ...     one record per finished text file; mmproj.json, tokenizer.json
+  OUT/.k3lab/scratch/           Hub downloads in flight (default ``--scratch``)
+
+Rules, so that nothing a user has is lost and nothing k3lab wrote is taken on faith:
+- Every state file (plan, KVs, records) is a first line ``k3lab-state/1 KIND SHA256`` and then JSON
+  whose SHA-256 that line gives. Reading checks the line, the digest and the fields; a state file
+  that is missing, malformed, tampered with, or from another plan reads as absent, and the work it
+  describes is redone: never trusted, never a traceback.
+- State spanning two files is written so that the last one names the other: the KVs, then the plan
+  naming their digest. A plan whose KVs do not match reads as absent. An interrupt between any two
+  writes leaves a folder the next run finishes.
+- Files are created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` as ``NAME.PID.partial`` (or
+  ``NAME.partial``), fsynced and renamed: never written through a symlink, a final name only ever
+  holds a whole file. ``.k3lab`` itself must be a real directory.
+- Deleted are only k3lab's own: ``*.partial`` regular files of its naming, nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import stat
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from k3lab.errors import K3LabError, MachineError
+from k3lab.formats.files import InputFileError, fsync_dir, json_bytes, read_bounded, read_json, write_new
+from k3lab.formats.gguf_stream import KV, kvs_from_json, kvs_to_json
+from k3lab.pipeline.plan import Plan, PlanError, file_digest, kvs_digest
+from k3lab.pipeline.record import ManifestError, Record, records_of_manifest
+
+STATE_DIR = ".k3lab"
+LOCK_NAME, PLAN_NAME, KVS_NAME, SCRATCH_NAME = "lock", "plan.json", "kvs.json", "scratch"
+MANIFEST_NAME = "MANIFEST.json"
+STATE_MAGIC = "k3lab-state/1"
+MiB = 1024 * 1024
+STATE_LIMITS = {"plan": 512 * MiB, "kvs": 512 * MiB, "record": 256 * MiB}
+MANIFEST_LIMIT = 4096 * MiB
+SPLIT_NAME = re.compile(r".+-\d{5}-of-\d{5}\.gguf")
+_RECORD_NAME = re.compile(r"(\d{5}|[a-z][a-z0-9_-]{0,31})\.json")
+
+
+class FolderBusyError(K3LabError):
+    """Another run is writing this output folder."""
+
+
+class FolderError(K3LabError):
+    """The output folder, or a name in it, is not one k3lab may write (a symlinked ``.k3lab``, a
+    ``--name`` with a path in it, an ``--out`` that is part of a split set)."""
+
+
+def check_basename(name: str, flag: str = "--name") -> str:
+    """A plain file-name stem: letters, digits, ``.``, ``_``, ``-``; not starting with a dot."""
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}", name or ""):
+        raise FolderError(
+            f"{flag} {name!r}: give a plain name (letters, digits, '.', '_', '-'), not a path; "
+            "files are written inside --out-dir"
+        )
+    return name
+
+
+class OutputFolder:
+    """``OUT/`` and its state. Cheap to make; touches the disk only when asked."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.state = self.path / STATE_DIR
+
+    # --- names ----------------------------------------------------------------------------------
+    def output(self, name: str) -> Path:
+        """An output file in the folder (a plain name, never a path)."""
+        if "/" in name or name in ("", ".", "..") or "\0" in name:
+            raise FolderError(f"{name!r}: not a plain file name")
+        return self.path / name
+
+    @property
+    def manifest(self) -> Path:
+        return self.path / MANIFEST_NAME
+
+    @property
+    def scratch(self) -> Path:
+        return self.state / SCRATCH_NAME
+
+    # --- the folder itself ----------------------------------------------------------------------
+    def create(self) -> None:
+        """``OUT/`` and ``OUT/.k3lab/``, the latter a real directory (never a symlink to elsewhere)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(self.state)
+        except FileExistsError:
+            pass
+        self.check_state_dir()
+
+    def check_state_dir(self) -> bool:
+        """Whether ``.k3lab`` exists; one line when it is anything but a real directory."""
+        try:
+            st = os.lstat(self.state)
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISDIR(st.st_mode):
+            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+            raise FolderError(f"{self.state}: is {kind}; k3lab keeps its state only in a real directory here")
+        return True
+
+    # --- the lock --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def hold(self, run_token: str | None = None) -> Iterator[str]:
+        """Hold the folder's lock for the block; yields the run's token. With ``run_token`` (a process
+        of a run that already holds it), check that the holder is that run instead of locking.
+
+        ``flock`` locks belong to the open file: the kernel drops the lock when its holder exits,
+        however it exits, so there is no stale lock to clear by hand."""
+        path = self.state / LOCK_NAME
+        if run_token is not None:
+            self.check_held(run_token)
+            yield run_token
+            return
+        self.create()
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise FolderError(
+                    f"{path}: is a symlink; k3lab never writes through one (remove it)"
+                ) from None
+            raise
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise FolderError(f"{path}: is not a regular file; k3lab uses it as the folder's lock")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                pid, _ = self._holder()
+                raise FolderBusyError(
+                    f"{self.path}: another k3lab run (pid {pid}) is writing this folder; wait for it or use another --out-dir"
+                ) from None
+            token = uuid.uuid4().hex
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} {token}\n".encode(), 0)
+            yield token
+        finally:
+            os.close(fd)  # releases the lock
+
+    def check_held(self, run_token: str) -> None:
+        """That the run with ``run_token`` holds the lock now (a task checks before it writes)."""
+        _, token = self._holder()
+        if token != run_token or self._lock_is_free():
+            raise FolderBusyError(
+                f"{self.path}: this task's run (token {run_token[:8]}) does not hold the folder lock"
+            )
+
+    def _holder(self) -> tuple[str, str]:
+        try:
+            text = read_bounded(self.state / LOCK_NAME, 4096, "lock file", follow=False).decode("ascii")
+        except (InputFileError, UnicodeDecodeError):
+            return "?", ""
+        pid, _, token = text.strip().partition(" ")
+        return pid or "?", token
+
+    def _lock_is_free(self) -> bool:
+        try:
+            fd = os.open(self.state / LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return True
+        finally:
+            os.close(fd)
+
+    # --- writing files ---------------------------------------------------------------------------
+    def write_atomically(self, path: Path, data: bytes) -> None:
+        """``data`` into ``path.PID.partial`` (created new, never through a symlink), fsync, rename:
+        ``path`` is old or new, never half. A failure removes the partial file and names ``path``."""
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # concurrent writers never share one
+        try:
+            _remove_own_partial(tmp)
+            write_new(tmp, data)
+            os.replace(tmp, path)
+            fsync_dir(path.parent)
+        except BaseException as e:
+            with contextlib.suppress(FileNotFoundError):
+                if _is_regular_file(tmp):
+                    tmp.unlink()
+            raise _disk_full(e, path) from None
+
+    def _write_state(self, name: str, kind: str, body: Any) -> Path:
+        data = json_bytes(body)
+        head = f"{STATE_MAGIC} {kind} {hashlib.sha256(data).hexdigest()}\n".encode()
+        path = self.state / name
+        self.write_atomically(path, head + data)
+        return path
+
+    def _read_state(self, name: str, kind: str) -> Any | None:
+        """A state file's JSON when its first line names ``kind`` and the digest of the rest; None
+        when it is missing, malformed, tampered with or not a regular file."""
+        try:
+            data = read_bounded(self.state / name, STATE_LIMITS[kind], f"{kind} file", follow=False)
+        except InputFileError:
+            return None
+        head, _, body = data.partition(b"\n")
+        parts = head.split(b" ")
+        if len(parts) != 3 or parts[0] != STATE_MAGIC.encode() or parts[1] != kind.encode():
+            return None
+        if hashlib.sha256(body).hexdigest().encode() != parts[2]:
+            return None
+        try:
+            return json.loads(body)
+        except (ValueError, RecursionError):
+            return None
+
+    # --- the plan and file 1's KVs ----------------------------------------------------------------
+    def save_plan(self, plan: Plan, kvs: list[KV]) -> Path:
+        """The KVs first, then the plan naming their digest: whichever write an interrupt stops,
+        the plan on disk either has its KVs or reads as absent (and is made again)."""
+        self.create()
+        self._write_state(KVS_NAME, "kvs", kvs_to_json(kvs))
+        return self._write_state(PLAN_NAME, "plan", plan.to_json())
+
+    def load_plan(self) -> Plan | None:
+        """The saved plan, or None when there is none or it cannot be trusted: damaged, edited (each
+        file's digest is re-derived from its tensors), or its KVs are not the ones it names."""
+        if not self.check_state_dir():
+            return None
+        data = self._read_state(PLAN_NAME, "plan")
+        if data is None:
+            return None
+        try:
+            plan = Plan.from_json(data)
+            if any(file_digest(plan, f) != f.digest for f in plan.files) or not plan.files:
+                return None
+        except (K3LabError, KeyError, TypeError, ValueError, IndexError, AttributeError):
+            return None
+        return plan if self._kvs_json(plan) is not None else None
+
+    def require_plan(self, inputs_digest: str | None = None) -> Plan:
+        """The saved plan, for a task or a notebook: one line when there is none (or not this run's)."""
+        plan = self.load_plan()
+        path = self.state / PLAN_NAME
+        if plan is None:
+            raise PlanError(f"{path}: no usable plan (`k3lab plan --out-dir` or `k3lab convert` makes it)")
+        if inputs_digest is not None and plan.inputs_digest != inputs_digest:
+            raise PlanError(f"{path}: the saved plan changed under this run (another run re-planned?)")
+        return plan
+
+    def _kvs_json(self, plan: Plan) -> Any | None:
+        data = self._read_state(KVS_NAME, "kvs")
+        if data is None:
+            return None
+        try:
+            return data if kvs_digest(kvs_from_json(data)) == plan.kvs_digest else None
+        except (KeyError, TypeError, ValueError, IndexError):
+            return None
+
+    def load_kvs(self, plan: Plan) -> list[KV]:
+        """File 1's planned metadata, checked against the plan's digest of it."""
+        data = self._kvs_json(plan)
+        if data is None:
+            raise PlanError(f"{self.state / KVS_NAME}: missing or not the plan's; run the command again")
+        return kvs_from_json(data)
+
+    # --- records ----------------------------------------------------------------------------------
+    def write_record(self, record: Record) -> Path:
+        return self._write_state(record.state_name, "record", record.to_json())
+
+    def record_single(self, path: Path, kind: str, key: str, data_start: int, tensors: list[dict]) -> Path:
+        """The record (``.k3lab/KEY.json``) of a file outside the split set (the mmproj: kind
+        ``vision``; the standalone tokenizer: ``tokenizer``); then the merged manifest."""
+        size = path.stat().st_size
+        data_start = min(data_start, size)
+        rec = Record(kind, path.name, 0, size, data_start, header_sha256(path, data_start), tensors, key=key)
+        self.write_record(rec)
+        return self.merge()
+
+    def read_record(self, name: str) -> Record | None:
+        data = self._read_state(name, "record")
+        if data is None:
+            return None
+        try:
+            return Record.from_json(data, str(self.state / name))
+        except ManifestError:
+            return None
+
+    def text_record(self, number: int) -> Record | None:
+        rec = self.read_record(f"{number:05d}.json")
+        return rec if rec is not None and rec.is_text and rec.number == number else None
+
+    def is_complete(self, number: int, filename: str, plan_digest: str) -> bool:
+        """The resume test: the record is this plan's, and the file has its size and header."""
+        rec = self.text_record(number)
+        if rec is None or rec.plan_digest != plan_digest or rec.file != filename:
+            return False
+        path = self.output(filename)
+        try:
+            if not _is_regular_file(path) or path.stat().st_size != rec.size:
+                return False
+            return header_sha256(path, rec.data_start) == rec.header_sha256
+        except OSError:
+            return False
+
+    def records(self) -> list[Record]:
+        """Every trustworthy record in ``.k3lab/``, text files first by number, then the others."""
+        if not self.check_state_dir():
+            return []
+        found = []
+        for p in sorted(self.state.iterdir()):
+            if _RECORD_NAME.fullmatch(p.name) and p.name not in (PLAN_NAME, KVS_NAME):
+                rec = self.read_record(p.name)
+                if rec is not None and rec.state_name == p.name:
+                    found.append(rec)
+        return sorted(found, key=lambda r: (not r.is_text, r.number, r.key))
+
+    def damaged_records(self) -> list[str]:
+        """Names of record files that do not read as records (for verify to report)."""
+        if not self.check_state_dir():
+            return []
+        return [
+            p.name
+            for p in sorted(self.state.iterdir())
+            if _RECORD_NAME.fullmatch(p.name)
+            and p.name not in (PLAN_NAME, KVS_NAME)
+            and self.read_record(p.name) is None
+        ]
+
+    def merge(self) -> Path:
+        """Rebuild ``MANIFEST.json`` from the records (one record in memory at a time)."""
+        names = [r.state_name for r in self.records()]
+        parts = [b'{\n "files": [']
+        for i, name in enumerate(names):
+            rec = self.read_record(name)
+            if rec is not None:
+                parts.append(
+                    ((",\n" if i else "\n") + json.dumps(rec.to_json(), indent=1, sort_keys=True)).encode()
+                )
+        parts.append(f'\n ],\n "format": {json.dumps("k3lab-manifest/2")}\n}}\n'.encode())
+        self.write_atomically(self.manifest, b"".join(parts))
+        return self.manifest
+
+    def read_manifest(self, path: Path | None = None) -> list[Record]:
+        """The records of ``MANIFEST.json`` (or another manifest), every field checked."""
+        path = path or self.manifest
+        try:
+            man = read_json(path, MANIFEST_LIMIT, "manifest")
+        except InputFileError as e:
+            raise ManifestError(str(e)) from None
+        return records_of_manifest(man, str(path))
+
+    # --- cleaning up -------------------------------------------------------------------------------
+    def remove_partials(self) -> list[Path]:
+        """Delete the ``*.partial`` files a killed run left: regular files of k3lab's naming only
+        (``NAME.gguf.partial`` here, ``NAME.PID.partial`` in ``.k3lab/``), never a symlink's target.
+        Only while holding the folder's lock."""
+        found = [*self.path.glob("*.gguf.partial")]
+        if self.check_state_dir():
+            found += self.state.glob("*.json.*.partial")
+        gone = [p for p in found if _is_regular_file(p)]
+        for p in gone:
+            p.unlink(missing_ok=True)
+        return gone
+
+    # --- files outside the split set ------------------------------------------------------------------
+    def check_single_output(self, out: Path, planned: set[str] | None = None) -> None:
+        """``vision``/``tokenizer`` may write ``out`` here: a ``.gguf`` that is not part of a split set,
+        the manifest or the state."""
+        name = out.name
+        if STATE_DIR in out.parts:
+            raise FolderError(f"{out}: is inside {STATE_DIR}/, k3lab's state; write the file beside it")
+        if not name.endswith(".gguf") or name.startswith("."):
+            raise FolderError(f"{out}: give a file name ending in .gguf")
+        plan = self.load_plan() if planned is None else None
+        taken = planned if planned is not None else ({f.filename for f in plan.files} if plan else set())
+        if SPLIT_NAME.fullmatch(name) or name in taken:
+            raise FolderError(
+                f"{out}: is the name of a file of a split set; give the mmproj or tokenizer its own name"
+            )
+        if out.is_symlink() or (out.exists() and not out.is_file()):
+            raise FolderError(f"{out}: exists and is not a regular file; k3lab will not replace it")
+
+
+def header_sha256(path: str | Path, data_start: int) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read(data_start)).hexdigest()
+
+
+def _is_regular_file(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _remove_own_partial(tmp: Path) -> None:
+    """A partial of this very name (this pid, an earlier killed process's) is k3lab's leftover."""
+    if _is_regular_file(tmp):
+        tmp.unlink()
+
+
+def _disk_full(e: BaseException, path: Path) -> BaseException:
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return MachineError(f"{path}: no space left on the device; nothing was kept of it")
+    if isinstance(e, OSError) and e.errno in (errno.EEXIST, errno.ELOOP):
+        return FolderError(f"{path}: a file k3lab did not make is in the way ({e.strerror}); remove it")
+    return e
