@@ -31,6 +31,7 @@ from collections.abc import Callable
 import numpy as np
 
 from k3lab.formats import mxfp4
+from k3lab.kimi_k3.model import MODEL
 from k3lab.pipeline.folder import OutputFolder
 
 ROWS: dict[str, Callable[[], list[tuple[str, str, str]]]] = {}
@@ -89,8 +90,9 @@ if nohash:  # measure the manifest's cost: the same run with a hasher that does 
         def update(self, b): pass
         def hexdigest(self): return "0" * 64
     k3lab.formats.hashing.sha256 = Null
-spec = SourceSpec(src, src_dir=src)
-with start_run(spec, out) as (plan, _, _):
+from k3lab.kimi_k3.model import MODEL
+spec = SourceSpec.local(src)
+with start_run(MODEL, spec, out) as (plan, _, _):
     source = spec.open()
 import numpy as np
 from k3lab.formats import mxfp4
@@ -180,8 +182,9 @@ from k3lab.pipeline.sources import SourceSpec
 out, src, k = sys.argv[1], sys.argv[2], int(sys.argv[3])
 t1 = time.perf_counter()
 folder = OutputFolder(out)
-plan = folder.require_plan()
-source = SourceSpec(src, src_dir=src).open()
+from k3lab.kimi_k3.model import MODEL
+plan = folder.require_plan(MODEL)
+source = SourceSpec.local(src).open()
 entries = shard_entries(plan, k, source)
 kvs = file_kvs(plan, k, folder)
 t2 = time.perf_counter()
@@ -250,7 +253,7 @@ def bench_fullscale() -> list[tuple[str, str, str]]:
             )
         )
 
-        saved = OutputFolder(out).require_plan()
+        saved = OutputFolder(out).require_plan(MODEL)
         forecast = {f.number: f.memory for f in saved.files}
         nbytes = {f.number: f.nbytes for f in saved.files}
         kinds = {
@@ -330,17 +333,17 @@ def bench_fullscale() -> list[tuple[str, str, str]]:
 
 NOTEBOOK_01_PICKER = """
 import sys, time
-from k3lab import inspect
+from k3lab import explore
 src, out = sys.argv[1], sys.argv[2]
 t = time.perf_counter()
-plan, source = inspect.open_conversion(src, src, out)
-by = inspect.planned_by_source(plan)
-inspect.shard_rows(plan, source, 1, by)  # the first pick also reads the index once
+plan, source = explore.open_conversion(src, src, out)
+by = explore.planned_by_source(plan)
+explore.shard_rows(plan, source, 1, by)  # the first pick also reads the index once
 setup = time.perf_counter() - t
 picks = []
 for k in (2, 50, 94, 96, 7):
     t = time.perf_counter()
-    inspect.html_table(inspect.shard_rows(plan, source, k, by))
+    explore.html_table(explore.shard_rows(plan, source, k, by))
     picks.append(time.perf_counter() - t)
 print(setup, max(picks))
 """

@@ -31,23 +31,33 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.workdir, seed=args.seed, jobs=args.jobs)
 
 
+def _model() -> Any:
+    from k3lab.kimi_k3.model import MODEL
+
+    return MODEL
+
+
 def _tokenizer(args: argparse.Namespace) -> int:
     from k3lab.kimi_k3.tokenizer import chat_template_choice
-    from k3lab.pipeline.vision import convert_tokenizer
+    from k3lab.pipeline.single import convert_tokenizer
 
     template, line = chat_template_choice(args.meta, args.chat_template)
     print(line)
-    print(convert_tokenizer(args.meta, args.out, template))
+    print(convert_tokenizer(_model(), args.meta, args.out, template))
     return 0
 
 
-def _source_spec(args: argparse.Namespace) -> SourceSpec:
-    """Where the checkpoint is: --src (local, default --meta) or --repo (the Hub); never both."""
+def _source_spec(args: argparse.Namespace, out_dir: str | Path | None = None) -> SourceSpec:
+    """Where the checkpoint is, for every command alike: --src (local, default --meta) or --repo
+    (the Hub); never both. A Hub source downloads into --scratch (default OUT_DIR/.k3lab/scratch,
+    or a temporary folder for commands that write no folder)."""
     import os
 
     from k3lab.pipeline.folder import OutputFolder
-    from k3lab.pipeline.sources import SourceSpec
+    from k3lab.pipeline.hub import hub_spec
+    from k3lab.pipeline.sources import INDEX_NAME, SourceSpec
 
+    model = _model()
     repo = getattr(args, "repo", None)
     if repo and args.src:
         raise K3LabError("--repo and --src name two sources: give one")
@@ -55,20 +65,21 @@ def _source_spec(args: argparse.Namespace) -> SourceSpec:
         if getattr(args, flag, None) and not repo:
             raise K3LabError(f"--{flag.replace('_', '-')} is for streaming from the Hub: it needs --repo")
     if repo:
-        return SourceSpec(
-            str(args.meta),
-            repo=repo,
+        scratch = args.scratch or (OutputFolder(out_dir).scratch if out_dir else None)
+        return hub_spec(
+            args.meta,
+            repo,
             revision=args.revision,
-            scratch=str(args.scratch or OutputFolder(args.out_dir).scratch),
+            scratch=scratch,
             endpoint=os.environ.get("HF_ENDPOINT"),
             token=os.environ.get("HF_TOKEN"),
             keep_source=args.keep_source,
+            meta_files=model.meta_files,
+            optional_meta=model.optional_meta,
         )
-    if args.src is None and not Path(args.meta, "model.safetensors.index.json").exists():
-        raise K3LabError(
-            f"{args.meta}: no model.safetensors.index.json; give --src, or --repo to stream from the Hub"
-        )
-    return SourceSpec(str(args.meta), src_dir=str(args.src or args.meta))
+    if args.src is None and not Path(args.meta, INDEX_NAME).exists():
+        raise K3LabError(f"{args.meta}: no {INDEX_NAME}; give --src, or --repo to stream from the Hub")
+    return SourceSpec.local(args.meta, args.src or args.meta)
 
 
 def _run_options(args: argparse.Namespace, say: bool = False) -> RunOptions:
@@ -79,32 +90,33 @@ def _run_options(args: argparse.Namespace, say: bool = False) -> RunOptions:
     template, line = chat_template_choice(args.meta, args.chat_template)
     if say:
         print(line)
-    return RunOptions(args.outtype, getattr(args, "name", "Kimi-K3"), template, getattr(args, "force", False))
+    return RunOptions(args.outtype, getattr(args, "name", None), template, getattr(args, "force", False))
 
 
 def _plan(args: argparse.Namespace) -> int:
     import json
 
-    from k3lab.kimi_k3.config import K3Config
     from k3lab.pipeline.folder import check_basename
-    from k3lab.pipeline.plan import build_plan, describe_plan
+    from k3lab.pipeline.plan_table import describe_plan
+    from k3lab.pipeline.planner import build_plan
     from k3lab.pipeline.runner import start_run
 
-    spec = _source_spec(args)
+    model = _model()
+    spec = _source_spec(args, args.out_dir)
     options = _run_options(args)
 
     def show(plan: Any) -> None:
         print(json.dumps(plan.to_json(), indent=1) if args.json else describe_plan(plan, args.jobs))
 
     if args.out_dir:  # saved there, as convert would
-        with start_run(spec, args.out_dir, options) as (plan, _, _):
+        with start_run(model, spec, args.out_dir, options) as (plan, _, _):
             show(plan)
         return 0
-    check_basename(options.basename)
+    basename = check_basename(options.basename or model.default_basename)
     source = spec.open_fresh()
-    show(
-        build_plan(K3Config.load(args.meta), source, options.outtype, options.basename, options.chat_template)
-    )
+    source.fetch_meta()
+    cfg = model.load_config(Path(args.meta))
+    show(build_plan(model, cfg, source, options.outtype, basename, options.chat_template))
     return 0
 
 
@@ -118,9 +130,10 @@ def _convert(args: argparse.Namespace) -> int:
         )
     if args.jobs < 1:
         raise K3LabError(f"--jobs {args.jobs}: give 1 or more")
-    spec = _source_spec(args)
+    spec = _source_spec(args, args.out_dir)
     options = _run_options(args, say=not args.quiet)
     results = convert_shards(
+        _model(),
         spec,
         args.out_dir,
         args.shards,
@@ -140,15 +153,26 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    import tempfile
+
     from k3lab.pipeline.verify import verify
 
-    report = verify(args.out_dir, args.manifest, args.src, args.meta, quiet=args.quiet)
+    rederive = args.src is not None or args.repo is not None
+    if rederive and args.meta is None:
+        if args.repo:
+            raise K3LabError("--repo needs --meta (a folder for the config, index and tokenizer files)")
+        args.meta = args.src
+    with tempfile.TemporaryDirectory(prefix="k3lab-verify-") as tmp:
+        if args.repo and not args.scratch:
+            args.scratch = tmp  # the shards come and go one at a time, outside the folder verified
+        spec = _source_spec(args) if rederive else None
+        report = verify(args.out_dir, args.manifest, spec, _model(), quiet=args.quiet)
     for line in report.problems:
         print(line)
     status = "OK" if report.ok else f"FAILED: {len(report.problems)} problem(s)"
     print(
         f"verify {status}: {report.files} files, {report.tensors} tensors, {report.bytes} bytes checked"
-        + (" and re-derived from the source" if args.src else "")
+        + (" and re-derived from the source" if rederive else "")
     )
     return 0 if report.ok else 1
 
@@ -167,23 +191,31 @@ def _tensor_map(args: argparse.Namespace) -> int:
 
 
 def _vision(args: argparse.Namespace) -> int:
-    from k3lab.pipeline.vision import convert_vision
+    from k3lab.pipeline.single import convert_single
 
-    print(convert_vision(args.meta, args.src or args.meta, args.out))
+    print(convert_single(_model(), _source_spec(args, Path(args.out).parent), args.out))
     return 0
 
 
 def _check_logits(args: argparse.Namespace) -> int:
-    from k3lab.pipeline.logits import check_logits, check_stages
+    import tempfile
+
+    from k3lab.kimi_k3.logits import check_logits, check_stages
 
     tokens = [int(t) for t in args.tokens.replace(",", " ").split()] if args.tokens else None
-    report = check_logits(
-        args.meta, args.src or args.meta, args.gguf, args.prompt, tokens, args.threshold, args.mode
-    )
-    if args.blocks:
-        print(report.table())
-    print(f"whole model, for information: {report.summary()}")
-    stages = check_stages(args.meta, args.src or args.meta, args.gguf, report.tokens, args.mode)
+    with tempfile.TemporaryDirectory(prefix="k3lab-logits-") as tmp:
+        if args.repo and not args.scratch:
+            args.scratch = tmp
+        source = _source_spec(args).open_fresh()
+        source.fetch_meta()
+        try:
+            report = check_logits(source, args.gguf, args.prompt, tokens, args.threshold, args.mode)
+            if args.blocks:
+                print(report.table())
+            print(f"whole model, for information: {report.summary()}")
+            stages = check_stages(source, args.gguf, report.tokens, args.mode)
+        finally:
+            source.close()
     print(stages.table(every=args.blocks))
     ok = not stages.failed
     print(f"check-logits {'OK' if ok else 'FAILED'}: the verdict is the stage check")
@@ -194,8 +226,8 @@ def _batch(args: argparse.Namespace) -> int:
     from k3lab.pipeline.batch import run_batch, summary
     from k3lab.pipeline.runner import start_run
 
-    spec = _source_spec(args)
-    with start_run(spec, args.out_dir, shards=args.shards) as (plan, token, numbers):
+    spec = _source_spec(args, args.out_dir)
+    with start_run(_model(), spec, args.out_dir, shards=args.shards) as (plan, token, numbers):
         run_dir, results = run_batch(
             args.notebook,
             args.meta,
@@ -212,9 +244,24 @@ def _batch(args: argparse.Namespace) -> int:
     return 0 if all(r.status == "ok" for r in results) else 1
 
 
-def _common_source(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--meta", required=True, help="folder with config.json, the index and the tokenizer files")
+def _source_flags(p: argparse.ArgumentParser, meta_required: bool = True) -> None:
+    """Where the checkpoint is: the same flags for every command that reads one."""
+    p.add_argument(
+        "--meta", required=meta_required, help="folder with config.json, the index and the tokenizer files"
+    )
     p.add_argument("--src", help="folder with the safetensors shards (default: --meta)")
+    p.add_argument(
+        "--repo", help="stream from this Hugging Face repo (e.g. moonshotai/Kimi-K3) instead of --src"
+    )
+    p.add_argument("--revision", help="branch, tag or commit of --repo (default: main)")
+    p.add_argument(
+        "--scratch", default=None, help="where --repo downloads shards (default: OUT_DIR/.k3lab/scratch)"
+    )
+    p.add_argument("--keep-source", action="store_true", help="keep downloaded shards in --scratch")
+
+
+def _common_source(p: argparse.ArgumentParser) -> None:
+    _source_flags(p)
     p.add_argument(
         "--outtype",
         choices=["auto", "bf16", "f16", "f32"],
@@ -226,14 +273,6 @@ def _common_source(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="a Jinja chat template to embed in file 1 (wins over the source's own)",
     )
-    p.add_argument(
-        "--repo", help="stream from this Hugging Face repo (e.g. moonshotai/Kimi-K3) instead of --src"
-    )
-    p.add_argument("--revision", help="branch, tag or commit of --repo (default: main)")
-    p.add_argument(
-        "--scratch", default=None, help="where --repo downloads shards (default: OUT_DIR/.k3lab/scratch)"
-    )
-    p.add_argument("--keep-source", action="store_true", help="keep downloaded shards in --scratch")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -270,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="what the conversion will write, from config, index and headers alone")
     _common_source(pl)
     pl.add_argument("--out-dir", help="also save the plan there (.k3lab/plan.json), as convert does")
-    pl.add_argument("--name", default="Kimi-K3", help="output basename (default: Kimi-K3)")
+    pl.add_argument("--name", default=None, help="output basename (default: the model's, Kimi-K3)")
     pl.add_argument("--jobs", type=int, default=1, help="for the disk and memory forecast")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(func=_plan)
@@ -281,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--shards", default=None, help="N, A-B or a comma mix (default: all)")
     c.add_argument("--jobs", type=int, default=1, help="shards converted in parallel processes")
     c.add_argument("--force", action="store_true", help="redo files that are already complete")
-    c.add_argument("--name", default="Kimi-K3", help="output basename (default: Kimi-K3)")
+    c.add_argument("--name", default=None, help="output basename (default: the model's, Kimi-K3)")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
     c.add_argument("--scheduler", help="fan the shards out on this Dask scheduler instead of local processes")
     c.set_defaults(func=_convert)
@@ -303,14 +342,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=_batch)
 
     vi = sub.add_parser("vision", help="the MoonViT tower and projector as an mmproj GGUF")
-    vi.add_argument("--meta", required=True)
-    vi.add_argument("--src", help="folder with the safetensors shards (default: --meta)")
+    _source_flags(vi)
     vi.add_argument("--out", required=True, help="e.g. OUT_DIR/mmproj-Kimi-K3-BF16.gguf")
     vi.set_defaults(func=_vision)
 
     cl = sub.add_parser("check-logits", help="NumPy reference on the source vs llama.cpp on the GGUF")
-    cl.add_argument("--meta", required=True)
-    cl.add_argument("--src", help="folder with the safetensors shards (default: --meta)")
+    _source_flags(cl)
     cl.add_argument("--gguf", required=True, help="the first file of the converted split set")
     cl.add_argument("--prompt", help="text to tokenize (default: a built-in mixed prompt)")
     cl.add_argument("--tokens", help="token ids instead of a prompt, e.g. '1,2,3'")
@@ -336,8 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="check a converted set against its manifest (and the source)")
     v.add_argument("out_dir")
     v.add_argument("--manifest", help="default: OUT_DIR/MANIFEST.json")
-    v.add_argument("--src", help="also re-derive every tensor from this source checkpoint")
-    v.add_argument("--meta", help="config/index folder for --src (default: --src)")
+    _source_flags(v, meta_required=False)  # with --src or --repo: re-derive every tensor from it
     v.add_argument("--quiet", action="store_true")
     v.set_defaults(func=_verify)
 

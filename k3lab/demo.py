@@ -11,10 +11,11 @@ import importlib.util
 import time
 from pathlib import Path
 
+from k3lab.kimi_k3.model import MODEL
 from k3lab.pipeline.runner import convert_shards
+from k3lab.pipeline.single import convert_single, convert_tokenizer
 from k3lab.pipeline.sources import SourceSpec
 from k3lab.pipeline.verify import verify
-from k3lab.pipeline.vision import convert_tokenizer, convert_vision
 from k3lab.synth import synthesize
 from k3lab.synth.report import describe
 from k3lab.util import human_bytes
@@ -49,7 +50,7 @@ def run_demo(workdir: str | Path, seed: int = 0, jobs: int = 2) -> int:
     step("synthesise", t, f"{result.n_shards} shards, {result.n_tensors} tensors in {src}")
 
     t = time.perf_counter()
-    files = convert_shards(SourceSpec(str(src), src_dir=str(src)), out, jobs=jobs)
+    files = convert_shards(MODEL, SourceSpec.local(src), out, jobs=jobs)
     written = sum(not f.skipped for f in files)
     step(
         "convert",
@@ -58,15 +59,15 @@ def run_demo(workdir: str | Path, seed: int = 0, jobs: int = 2) -> int:
     )
 
     t = time.perf_counter()
-    tok = convert_tokenizer(src, out / "Kimi-K3-tokenizer.gguf")
+    tok = convert_tokenizer(MODEL, src, out / "Kimi-K3-tokenizer.gguf")
     step("tokenizer", t, f"{tok.name} ({human_bytes(tok.stat().st_size)})")
 
     t = time.perf_counter()
-    mmproj = convert_vision(src, src, out / "mmproj-Kimi-K3-BF16.gguf")
+    mmproj = convert_single(MODEL, SourceSpec.local(src), out / "mmproj-Kimi-K3-BF16.gguf")
     step("vision", t, f"{mmproj.name} ({human_bytes(mmproj.stat().st_size)})")
 
     t = time.perf_counter()
-    report = verify(out)
+    report = verify(out, model=MODEL)
     step(
         "verify",
         t,

@@ -1,7 +1,7 @@
 """`k3lab lab`: JupyterLab on the repository's notebooks, as a person meets them.
 
 It starts JupyterLab at the repository root (``--allow-root`` added when run as root), tells the
-notebooks where their relative paths start (``K3LAB_HOME``, see ``inspect.home``), and installs a
+notebooks where their relative paths start (``K3LAB_HOME``, see ``explore.home``), and installs a
 save hook: a notebook saved under ``notebooks/`` is written without outputs, execution counts or
 run-time metadata, so that Run All, Save leaves ``git status`` clean while the page keeps showing
 everything. Extra arguments go to ``jupyter lab`` as they are.
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from k3lab.inspect import HOME_ENV, home
+from k3lab.explore import HOME_ENV, home
 
 TRACKED = "notebooks/"
 KEEP_CELL_METADATA = ("tags",)

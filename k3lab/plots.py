@@ -14,7 +14,7 @@ from k3lab.formats.mxfp4 import E2M1_VALUES
 
 def scale_histograms(counts: dict[tuple[int, str], np.ndarray]) -> Figure:
     """E8M0 exponents (byte - 127) per (layer, projection), one panel per projection, from the number
-    of blocks per scale byte (``inspect.ScaleStats.counts``)."""
+    of blocks per scale byte (``explore.ScaleStats.counts``)."""
     projs = sorted({p for _, p in counts})
     fig = Figure(figsize=(4.2 * len(projs), 3.4), layout="constrained")
     axes = fig.subplots(1, len(projs), sharey=True, squeeze=False)[0]

@@ -227,12 +227,13 @@ def test_conversions_in_threads_of_one_process_give_identical_files(
 
     from conftest import saved_plan
 
+    from k3lab.kimi_k3.model import MODEL
     from k3lab.pipeline.folder import OutputFolder
     from k3lab.pipeline.runner import Task, run_task
     from k3lab.pipeline.sources import SourceSpec
 
-    spec = SourceSpec(str(tiny_src), src_dir=str(tiny_src))
-    task = Task(str(tmp_path), spec, saved_plan(tiny_src, tmp_path).inputs_digest)
+    spec = SourceSpec.local(tiny_src)
+    task = Task(MODEL, str(tmp_path), spec, saved_plan(tiny_src, tmp_path).inputs_digest)
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda k: run_task(task, k), range(1, 10)))
     assert sorted(r.number for r in results) == list(range(1, 10))

@@ -13,6 +13,8 @@ from conftest import convert, saved_plan, state_json
 
 from k3lab.cli import main
 from k3lab.formats import safetensors
+from k3lab.kimi_k3.model import MODEL
+from k3lab.pipeline import forecast, planner
 from k3lab.pipeline import plan as plan_mod
 from k3lab.pipeline.runner import Task, run_task
 from k3lab.pipeline.sources import SourceSpec
@@ -45,18 +47,18 @@ def test_the_plan_is_saved_and_reused_until_an_input_changes(tiny_src: Path, tmp
     assert saved["format"] == plan_mod.PLAN_FORMAT and saved["inputs_digest"] == first.inputs_digest
     assert set(saved["inputs"]["meta"]) >= {"config.json", "model.safetensors.index.json", "tiktoken.model"}
     calls = []
-    real = plan_mod.build_plan
-    plan_mod.build_plan = lambda *a, **k: calls.append(1) or real(*a, **k)
+    real = planner.build_plan
+    planner.build_plan = lambda *a, **k: calls.append(1) or real(*a, **k)
     try:
         again = saved_plan(tiny_src, tmp_path)
     finally:
-        plan_mod.build_plan = real
+        planner.build_plan = real
     assert not calls  # loaded, not made again
     assert [f.digest for f in again.files] == [f.digest for f in first.files]
 
 
 def test_a_task_reads_only_its_own_shard_header(tiny_src: Path, tmp_path: Path, monkeypatch) -> None:
-    spec = SourceSpec(str(tiny_src), src_dir=str(tiny_src))
+    spec = SourceSpec.local(tiny_src)
     plan = saved_plan(tiny_src, tmp_path)
     read: list[str] = []
     real = safetensors.read_raw_header
@@ -70,7 +72,7 @@ def test_a_task_reads_only_its_own_shard_header(tiny_src: Path, tmp_path: Path, 
 
     sources._open_source.cache_clear()
     runner._task_plan.cache_clear()
-    result = run_task(Task(str(tmp_path), spec, plan.inputs_digest), 3)
+    result = run_task(Task(MODEL, str(tmp_path), spec, plan.inputs_digest), 3)
     assert not result.skipped
     assert read == [plan.file(3).source_file]
 
@@ -161,7 +163,7 @@ def test_a_changed_shard_header_redoes_its_own_file_only(
 
 def test_a_task_refuses_a_shard_that_changed_after_planning(tiny_src: Path, tmp_path: Path) -> None:
     src = _copy(tiny_src, tmp_path)
-    spec = SourceSpec(str(src), src_dir=str(src))
+    spec = SourceSpec.local(src)
     plan = saved_plan(src, tmp_path / "out")
     shard = src / plan.file(2).source_file
     data = shard.read_bytes()
@@ -172,16 +174,16 @@ def test_a_task_refuses_a_shard_that_changed_after_planning(tiny_src: Path, tmp_
     sources._open_source.cache_clear()
     runner._task_plan.cache_clear()
     with pytest.raises(plan_mod.PlanError, match="header differs from the one the plan was made from"):
-        run_task(Task(str(tmp_path / "out"), spec, plan.inputs_digest), 2)
+        run_task(Task(MODEL, str(tmp_path / "out"), spec, plan.inputs_digest), 2)
     assert not list((tmp_path / "out").glob("*.gguf*"))
 
 
 def test_plan_forecasts_memory_per_file(tiny_src: Path, tmp_path: Path) -> None:
-    from k3lab.kimi_k3.transforms import STREAMS
+    from k3lab.pipeline.streams import STREAMS
 
     plan = saved_plan(tiny_src, tmp_path)
-    assert all(f.memory >= plan_mod.BASE_RSS for f in plan.files)
+    assert all(f.memory >= forecast.BASE_RSS for f in plan.files)
     moe = [f for f in plan.files if any(t.transform == "mxfp4_stack" for t in f.tensors)]
-    assert moe and all(f.memory >= plan_mod.BASE_RSS + STREAMS["mxfp4"].fixed for f in moe)
+    assert moe and all(f.memory >= forecast.BASE_RSS + STREAMS["mxfp4"].fixed for f in moe)
     dense = plan.file(len(plan.files))  # embeddings and lm_head: copies only
     assert dense.memory < moe[0].memory

@@ -9,8 +9,9 @@ import pytest
 
 from k3lab.formats.bpe_merges import bpe_merges, merges_reference
 from k3lab.kimi_k3.config import K3Config
+from k3lab.kimi_k3.model import MODEL
 from k3lab.kimi_k3.tokenizer import read_tiktoken
-from k3lab.pipeline.plan import build_plan
+from k3lab.pipeline.planner import build_plan
 from k3lab.pipeline.sources import LocalSource
 from k3lab.synth import synthesize
 from k3lab.synth.generate import write_tokenizer_files
@@ -30,7 +31,7 @@ def test_real_size_vocabulary_merges_equal_the_definition(tmp_path: Path) -> Non
 
 def test_plan_of_the_full_model(tmp_path: Path) -> None:
     synthesize("full", tmp_path)
-    plan = build_plan(K3Config.load(tmp_path), LocalSource(tmp_path))
+    plan = build_plan(MODEL, K3Config.load(tmp_path), LocalSource(tmp_path))
     assert len(plan.files) == 94 and plan.label == "MXFP4"
     exps = [t for f in plan.files for t in f.tensors if t.name.endswith("_exps.weight")]
     assert len(exps) == 92 * 3

@@ -14,6 +14,7 @@ from llama_support import detokenize, needs_llama
 
 from k3lab.cli import main
 from k3lab.formats.bpe_merges import bpe_merges, merges_reference
+from k3lab.kimi_k3.model import MODEL
 from k3lab.kimi_k3.tokenizer import (
     KIMI_PAT_STR,
     TokenizerError,
@@ -21,7 +22,7 @@ from k3lab.kimi_k3.tokenizer import (
     read_tiktoken,
     token_to_unicode,
 )
-from k3lab.pipeline.vision import convert_tokenizer
+from k3lab.pipeline.single import convert_tokenizer
 from k3lab.synth.generate import extend_vocab
 
 CORPUS = [
@@ -110,7 +111,7 @@ def test_chat_template_is_carried(tiny_src: Path, tmp_path: Path) -> None:
     cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }}<|end_of_msg|>{% endfor %}"
     (meta / "tokenizer_config.json").write_text(json.dumps(cfg))
     assert build_vocabulary(meta).chat_template == cfg["chat_template"]
-    out = convert_tokenizer(meta, tmp_path / "t.gguf")
+    out = convert_tokenizer(MODEL, meta, tmp_path / "t.gguf")
     assert gguf.GGUFReader(out).fields["tokenizer.chat_template"].contents() == cfg["chat_template"]
 
 

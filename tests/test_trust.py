@@ -190,14 +190,13 @@ def test_an_index_naming_a_file_outside_the_source_is_refused(
 
 
 def test_a_hub_source_deletes_only_what_it_downloaded(tmp_path: Path) -> None:
-    from k3lab.pipeline.hub import HubSource
-    from k3lab.pipeline.sources import SourceSpec
+    from k3lab.pipeline.hub import HubSource, hub_spec
 
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     mine = scratch / "model-00001-of-00002.safetensors"
     mine.write_bytes(b"a user's copy, found in scratch")
-    source = HubSource(SourceSpec(str(tmp_path), repo="org/name", scratch=str(scratch)))
+    source = HubSource(hub_spec(tmp_path, "org/name", scratch=scratch))
     source.release(mine.name)  # found there, not downloaded by this source: kept
     assert mine.read_bytes() == b"a user's copy, found in scratch"
 
@@ -294,6 +293,7 @@ def test_an_edited_plan_is_never_trusted(
 def test_a_plan_whose_bytes_changed_reads_as_absent(drawn: Path, tmp_path: Path, forge: bool) -> None:
     """One byte of the plan's config edited (a field no file digest covers); forged: with the state
     line's digest recomputed, so that only the comparison with config.json on disk catches it."""
+    from k3lab.kimi_k3.model import MODEL
     from k3lab.pipeline.folder import OutputFolder
     from k3lab.pipeline.runner import prepare
     from k3lab.pipeline.sources import SourceSpec
@@ -309,9 +309,9 @@ def test_a_plan_whose_bytes_changed_reads_as_absent(drawn: Path, tmp_path: Path,
         magic, kind, _ = head.split(b" ")
         head = b" ".join([magic, kind, hashlib.sha256(body).hexdigest().encode()])
     path.write_bytes(head + b"\n" + body)
-    loaded = OutputFolder(out).load_plan()
+    loaded = OutputFolder(out).load_plan(MODEL)
     assert (loaded is None) != forge
-    plan_now, kvs = prepare(SourceSpec(str(drawn), src_dir=str(drawn)), out)
+    plan_now, kvs = prepare(MODEL, SourceSpec.local(drawn), out)
     assert kvs is not None, "the edited plan was reused"
     assert plan_now.cfg.raw == json.loads((drawn / "config.json").read_text())
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, Keys
 
 from k3lab.errors import K3LabError, MachineError
 from k3lab.formats import hashing
@@ -76,9 +76,9 @@ def kvs_from_json(rows: Sequence[Sequence[Any]]) -> list[KV]:
 def split_kvs(split_no: int, split_count: int, tensors_total: int) -> list[KV]:
     """The keys that make a file one member of a llama.cpp split set."""
     return [
-        KV("split.no", split_no, GGUFValueType.UINT16),
-        KV("split.count", split_count, GGUFValueType.UINT16),
-        KV("split.tensors.count", tensors_total, GGUFValueType.INT32),
+        KV(Keys.Split.LLM_KV_SPLIT_NO, split_no, GGUFValueType.UINT16),
+        KV(Keys.Split.LLM_KV_SPLIT_COUNT, split_count, GGUFValueType.UINT16),
+        KV(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, tensors_total, GGUFValueType.INT32),
     ]
 
 

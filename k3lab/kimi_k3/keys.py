@@ -9,14 +9,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gguf import GGUFValueType
+import gguf
+from gguf import ExpertGatingFuncType, GGUFValueType, LlamaFileType
 
 from k3lab.formats.gguf_stream import KV
 from k3lab.kimi_k3.config import K3Config
+from k3lab.kimi_k3.tokenizer import build_vocabulary
 
 ARCH = "kimi-k3"
-EXPERT_GATING_SIGMOID = 2  # gguf ExpertGatingFuncType.SIGMOID
-FILE_TYPE = {"MXFP4_MOE": 38, "BF16": 32, "F16": 1, "F32": 0}  # gguf LlamaFileType
+FILE_TYPE = {
+    "MXFP4_MOE": LlamaFileType.MOSTLY_MXFP4_MOE,
+    "BF16": LlamaFileType.MOSTLY_BF16,
+    "F16": LlamaFileType.MOSTLY_F16,
+    "F32": LlamaFileType.ALL_F32,
+}
 
 
 U32, F32, BOOL, ARR, I32 = (
@@ -55,7 +61,7 @@ def hyperparameters(cfg: K3Config) -> list[KV]:
             if t.get("topk_group") is not None
             else []
         ),
-        KV(f"{ARCH}.expert_gating_func", EXPERT_GATING_SIGMOID, U32),
+        KV(f"{ARCH}.expert_gating_func", int(ExpertGatingFuncType.SIGMOID), U32),
         KV(f"{ARCH}.vocab_size", cfg.n_vocab, U32),
         KV(f"{ARCH}.ssm.conv_kernel", cfg.linear_attn["short_conv_kernel_size"], U32),
         KV(f"{ARCH}.kda.head_dim", cfg.kda_head_dim, U32),
@@ -93,8 +99,6 @@ def hyperparameters(cfg: K3Config) -> list[KV]:
 def size_label(tensors: list[tuple[str, tuple[int, ...]]]) -> str:
     """gguf-py's parameter class (``8x1.4M``, ``2.8T``), counted as upstream's writer counts it: a
     stacked ``*_exps`` tensor contributes one expert's parameters, everything else all of its own."""
-    import gguf
-
     total = shared = expert = expert_sum = n_expert_tensors = 0
     for name, shape in tensors:  # shape in numpy order, values (not bytes)
         size = 1
@@ -121,7 +125,7 @@ def general(cfg: K3Config, name: str, file_type: str, size: str | None = None) -
     if size:
         kvs.append(KV("general.size_label", size, GGUFValueType.STRING))
     return kvs + [
-        KV("general.file_type", FILE_TYPE[file_type], U32),
+        KV("general.file_type", int(FILE_TYPE[file_type]), U32),
         KV("general.quantization_version", 2, U32),
     ]
 
@@ -137,9 +141,28 @@ def model_kvs(
     """Everything the first file of a split set (or the standalone tokenizer GGUF) carries besides
     the split keys: general.*, every kimi-k3.* hyperparameter and the tokenizer. ``chat_template``
     (a template's text) replaces the source's own; ``size`` is the size label."""
-    from k3lab.kimi_k3.tokenizer import build_vocabulary
-
     vocab = build_vocabulary(meta_dir, cfg)
     if chat_template is not None:
         vocab.chat_template = chat_template
     return general(cfg, name, file_type, size) + hyperparameters(cfg) + vocab.kvs()
+
+
+def file_kvs(
+    cfg: K3Config,
+    meta_dir: Path,
+    name: str,
+    file_type: str,
+    chat_template: str | None,
+    tensors: list[tuple[str, tuple[int, ...]]],
+) -> list[KV]:
+    """File 1's metadata, with the size label counted over the planned ``tensors``."""
+    return model_kvs(cfg, meta_dir, name, file_type, chat_template, size_label(tensors))
+
+
+def tokenizer_kvs(meta_dir: str | Path, chat_template: str | None = None) -> list[KV]:
+    """The standalone tokenizer GGUF's metadata: the vocabulary plus every ``kimi-k3.*``
+    hyperparameter. ``chat_template`` (a template's text) replaces the source's own."""
+    cfg = K3Config.load(meta_dir)
+    return model_kvs(
+        cfg, meta_dir, "Kimi-K3 tokenizer", "MXFP4_MOE" if cfg.is_mxfp4 else "BF16", chat_template
+    )

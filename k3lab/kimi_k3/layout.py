@@ -11,21 +11,11 @@ one of ``vision_tower``. Routed experts are compressed-tensors MXFP4 (``weight_p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from k3lab.kimi_k3.config import K3Config
 from k3lab.kimi_k3.rules import TEXT_PREFIX
+from k3lab.pipeline.model import TensorSpec
 
 LM = TEXT_PREFIX
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: str  # safetensors dtype: BF16, F32, U8
-    shape: tuple[int, ...]
-    kind: str  # how the synthetic values are drawn: linear, norm, embed, conv, a_log, dt_bias, bias,
-    #            res_proj, mxfp4_packed, mxfp4_scale, patch, pos
 
 
 def _text_layer(cfg: K3Config, i: int, float_dtype: str) -> list[TensorSpec]:

@@ -23,7 +23,7 @@ import numpy as np
 from k3lab.formats import mxfp4
 from k3lab.formats.numerics import bf16_bits_to_f32, f32_to_bf16_bits
 from k3lab.kimi_k3.config import K3Config
-from k3lab.kimi_k3.rules import RULES
+from k3lab.kimi_k3.rules import RULES, rule_applies
 
 LM = "language_model."
 
@@ -128,7 +128,7 @@ def _runtime_types(cfg: K3Config, source: Any) -> dict[str, str]:
     out: dict[str, str] = {}
     for bid in [*range(cfg.n_layer), None]:
         for rule in RULES:
-            if rule.applies(cfg, bid):
+            if rule_applies(rule, cfg, bid):
                 names = rule.source_names(cfg, bid)
                 kind = {"mxfp4": "q8", "f32": "f32"}.get(rule.dtype)
                 for n in names:

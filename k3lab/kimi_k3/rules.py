@@ -13,11 +13,10 @@ Type policies, as upstream llama.cpp's converter writes them:
 
 from __future__ import annotations
 
-import hashlib
 import re
-from dataclasses import dataclass
 
 from k3lab.kimi_k3.config import K3Config
+from k3lab.pipeline.model import ALL, ANY, OUTPUT, Rule, rules_digest
 
 TEXT_PREFIX = "language_model."
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -29,58 +28,43 @@ def layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-# which layers a rule applies to
-ALL, KDA, MLA, DENSE, MOE, LATENT, OUTPUT = "all", "kda", "mla", "dense", "moe", "latent", "output"
+# which units a rule applies to (besides the pipeline's ALL and OUTPUT)
+KDA, MLA, DENSE, MOE, LATENT = "kda", "mla", "dense", "moe", "latent"
 VISION, VBLOCK = "vision", "vblock"  # the mmproj file: once, and per MoonViT block
-# what the checkpoint must look like for the rule to apply
-ANY, QUANTIZED, FLOAT, ATTN_RES = "any", "mxfp4", "float", "attn_res"
+# what the checkpoint must look like for the rule to apply (besides ANY)
+QUANTIZED, FLOAT, ATTN_RES = "mxfp4", "float", "attn_res"
 
 
-@dataclass(frozen=True)
-class Rule:
-    output: str
-    sources: tuple[str, ...]
-    transform: str = "copy"
-    dtype: str = "keep"
-    layers: str = ALL
-    when: str = ANY
-    note: str = ""
-    prefix: str = TEXT_PREFIX
-    optional: bool = False  # e.g. a .bias the config says is absent: converted when present
+def rule_applies(rule: Rule, cfg: K3Config, bid: int | None) -> bool:
+    return rule.applies(unit_tags(cfg, bid), config_tags(cfg))
 
-    @property
-    def per_expert(self) -> bool:
-        return any("{e}" in s for s in self.sources)
 
-    def applies(self, cfg: K3Config, bid: int | None) -> bool:
-        if self.when == QUANTIZED and not cfg.is_mxfp4 or self.when == FLOAT and cfg.is_mxfp4:
-            return False
-        if self.when == ATTN_RES and not cfg["attn_res_block_size"]:
-            return False
-        if self.layers in (OUTPUT, VISION):
-            return bid is None
-        if self.layers == VBLOCK:
-            return bid is not None
-        if bid is None:
-            return False
-        return {
-            ALL: True,
-            KDA: not cfg.is_mla(bid),
-            MLA: cfg.is_mla(bid),
-            DENSE: not cfg.is_moe(bid),
-            MOE: cfg.is_moe(bid),
-            LATENT: cfg.is_moe(bid) and cfg.is_latent_moe,
-        }[self.layers]
+def unit_tags(cfg: K3Config, bid: int | None) -> frozenset[str]:
+    """Which rules a unit of the text model takes: every layer ``all``, its attention (``kda`` or
+    ``mla``) and its FFN (``dense``, or ``moe`` and for a latent MoE ``latent``); then ``output``."""
+    if bid is None:
+        return frozenset({OUTPUT})
+    tags = {ALL, MLA if cfg.is_mla(bid) else KDA, MOE if cfg.is_moe(bid) else DENSE}
+    if cfg.is_moe(bid) and cfg.is_latent_moe:
+        tags.add(LATENT)
+    return frozenset(tags)
 
-    def source_names(self, cfg: K3Config, bid: int | None) -> list[str]:
-        names = []
-        experts = range(cfg.n_expert) if self.per_expert else [None]
-        for e in experts:  # expert-major: all of expert 0's sources, then expert 1's ...
-            names += [self.prefix + s.format(bid=bid, e=e) for s in self.sources]
-        return names
 
-    def output_name(self, bid: int | None) -> str:
-        return self.output.format(bid=bid)
+def config_tags(cfg: K3Config) -> frozenset[str]:
+    """What the checkpoint is: MXFP4 or float experts, with or without AttnRes."""
+    tags = {QUANTIZED if cfg.is_mxfp4 else FLOAT}
+    if cfg["attn_res_block_size"]:
+        tags.add(ATTN_RES)
+    return frozenset(tags)
+
+
+def vision_unit_tags(cfg: K3Config, bid: int | None) -> frozenset[str]:
+    return frozenset({VISION} if bid is None else {VBLOCK})
+
+
+def _text(*args: object, **kwargs: object) -> Rule:
+    """A rule of the text model: its source names start with ``language_model.``."""
+    return Rule(*args, **{"prefix": TEXT_PREFIX, **kwargs})  # type: ignore[arg-type]
 
 
 L = "model.layers.{bid}."
@@ -89,10 +73,10 @@ M = L + "block_sparse_moe."
 RES = "res_score: AttnRes norm*proj fused"
 
 RULES: tuple[Rule, ...] = (
-    Rule("token_embd.weight", ("model.embed_tokens.weight",), layers=OUTPUT),
-    Rule("output_norm.weight", ("model.norm.weight",), dtype="f32", layers=OUTPUT),
-    Rule("output.weight", ("lm_head.weight",), layers=OUTPUT),
-    Rule(
+    _text("token_embd.weight", ("model.embed_tokens.weight",), layers=OUTPUT),
+    _text("output_norm.weight", ("model.norm.weight",), dtype="f32", layers=OUTPUT),
+    _text("output.weight", ("lm_head.weight",), layers=OUTPUT),
+    _text(
         "output_res_score.weight",
         ("model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight"),
         "fuse_res_score",
@@ -101,9 +85,9 @@ RULES: tuple[Rule, ...] = (
         ATTN_RES,
         RES,
     ),
-    Rule("blk.{bid}.attn_norm.weight", (L + "input_layernorm.weight",), dtype="f32"),
-    Rule("blk.{bid}.ffn_norm.weight", (L + "post_attention_layernorm.weight",), dtype="f32"),
-    Rule(
+    _text("blk.{bid}.attn_norm.weight", (L + "input_layernorm.weight",), dtype="f32"),
+    _text("blk.{bid}.ffn_norm.weight", (L + "post_attention_layernorm.weight",), dtype="f32"),
+    _text(
         "blk.{bid}.attn_res_score.weight",
         (L + "self_attention_res_norm.weight", L + "self_attention_res_proj.weight"),
         "fuse_res_score",
@@ -112,7 +96,7 @@ RULES: tuple[Rule, ...] = (
         ATTN_RES,
         RES,
     ),
-    Rule(
+    _text(
         "blk.{bid}.ffn_res_score.weight",
         (L + "mlp_res_norm.weight", L + "mlp_res_proj.weight"),
         "fuse_res_score",
@@ -122,59 +106,59 @@ RULES: tuple[Rule, ...] = (
         RES,
     ),
     # KDA (linear attention) layers
-    Rule("blk.{bid}.attn_q.weight", (A + "q_proj.weight",), layers=KDA),
-    Rule("blk.{bid}.attn_k.weight", (A + "k_proj.weight",), layers=KDA),
-    Rule("blk.{bid}.attn_v.weight", (A + "v_proj.weight",), layers=KDA),
-    Rule("blk.{bid}.ssm_conv1d_q.weight", (A + "q_conv1d.weight",), "conv1d_4d", "f32", KDA),
-    Rule("blk.{bid}.ssm_conv1d_k.weight", (A + "k_conv1d.weight",), "conv1d_4d", "f32", KDA),
-    Rule("blk.{bid}.ssm_conv1d_v.weight", (A + "v_conv1d.weight",), "conv1d_4d", "f32", KDA),
-    Rule("blk.{bid}.ssm_f_a.weight", (A + "f_a_proj.weight",), layers=KDA),
-    Rule("blk.{bid}.ssm_f_b.weight", (A + "f_b_proj.weight",), layers=KDA),
-    Rule("blk.{bid}.ssm_beta.weight", (A + "b_proj.weight",), layers=KDA),
-    Rule("blk.{bid}.ssm_a", (A + "A_log",), "neg_exp", "f32", KDA, note="ssm_a = -exp(A_log)"),
-    Rule("blk.{bid}.ssm_dt.bias", (A + "dt_bias",), dtype="f32", layers=KDA),
-    Rule(
+    _text("blk.{bid}.attn_q.weight", (A + "q_proj.weight",), layers=KDA),
+    _text("blk.{bid}.attn_k.weight", (A + "k_proj.weight",), layers=KDA),
+    _text("blk.{bid}.attn_v.weight", (A + "v_proj.weight",), layers=KDA),
+    _text("blk.{bid}.ssm_conv1d_q.weight", (A + "q_conv1d.weight",), "conv1d_4d", "f32", KDA),
+    _text("blk.{bid}.ssm_conv1d_k.weight", (A + "k_conv1d.weight",), "conv1d_4d", "f32", KDA),
+    _text("blk.{bid}.ssm_conv1d_v.weight", (A + "v_conv1d.weight",), "conv1d_4d", "f32", KDA),
+    _text("blk.{bid}.ssm_f_a.weight", (A + "f_a_proj.weight",), layers=KDA),
+    _text("blk.{bid}.ssm_f_b.weight", (A + "f_b_proj.weight",), layers=KDA),
+    _text("blk.{bid}.ssm_beta.weight", (A + "b_proj.weight",), layers=KDA),
+    _text("blk.{bid}.ssm_a", (A + "A_log",), "neg_exp", "f32", KDA, note="ssm_a = -exp(A_log)"),
+    _text("blk.{bid}.ssm_dt.bias", (A + "dt_bias",), dtype="f32", layers=KDA),
+    _text(
         "blk.{bid}.ssm_g.weight",
         (A + "g_proj.weight",),
         layers=KDA,
         note="g_proj on a KDA layer: full-rank gate",
     ),
-    Rule("blk.{bid}.ssm_norm.weight", (A + "o_norm.weight",), dtype="f32", layers=KDA),
-    Rule("blk.{bid}.attn_output.weight", (A + "o_proj.weight",)),
+    _text("blk.{bid}.ssm_norm.weight", (A + "o_norm.weight",), dtype="f32", layers=KDA),
+    _text("blk.{bid}.attn_output.weight", (A + "o_proj.weight",)),
     # MLA (full attention) layers
-    Rule("blk.{bid}.attn_q_a.weight", (A + "q_a_proj.weight",), layers=MLA),
-    Rule("blk.{bid}.attn_q_a_norm.weight", (A + "q_a_layernorm.weight",), dtype="f32", layers=MLA),
-    Rule("blk.{bid}.attn_q_b.weight", (A + "q_b_proj.weight",), layers=MLA),
-    Rule("blk.{bid}.attn_kv_a_mqa.weight", (A + "kv_a_proj_with_mqa.weight",), layers=MLA),
-    Rule("blk.{bid}.attn_kv_a_norm.weight", (A + "kv_a_layernorm.weight",), dtype="f32", layers=MLA),
-    Rule(
+    _text("blk.{bid}.attn_q_a.weight", (A + "q_a_proj.weight",), layers=MLA),
+    _text("blk.{bid}.attn_q_a_norm.weight", (A + "q_a_layernorm.weight",), dtype="f32", layers=MLA),
+    _text("blk.{bid}.attn_q_b.weight", (A + "q_b_proj.weight",), layers=MLA),
+    _text("blk.{bid}.attn_kv_a_mqa.weight", (A + "kv_a_proj_with_mqa.weight",), layers=MLA),
+    _text("blk.{bid}.attn_kv_a_norm.weight", (A + "kv_a_layernorm.weight",), dtype="f32", layers=MLA),
+    _text(
         "blk.{bid}.attn_k_b.weight",
         (A + "kv_b_proj.weight",),
         "k_b",
         layers=MLA,
         note="kv_b split, K transposed",
     ),
-    Rule("blk.{bid}.attn_v_b.weight", (A + "kv_b_proj.weight",), "v_b", layers=MLA, note="kv_b split, V"),
-    Rule(
+    _text("blk.{bid}.attn_v_b.weight", (A + "kv_b_proj.weight",), "v_b", layers=MLA, note="kv_b split, V"),
+    _text(
         "blk.{bid}.attn_gate.weight",
         (A + "g_proj.weight",),
         layers=MLA,
         note="g_proj on an MLA layer: output gate",
     ),
     # dense FFN (the leading layers)
-    Rule("blk.{bid}.ffn_gate.weight", (L + "mlp.gate_proj.weight",), layers=DENSE),
-    Rule("blk.{bid}.ffn_up.weight", (L + "mlp.up_proj.weight",), layers=DENSE),
-    Rule("blk.{bid}.ffn_down.weight", (L + "mlp.down_proj.weight",), layers=DENSE),
+    _text("blk.{bid}.ffn_gate.weight", (L + "mlp.gate_proj.weight",), layers=DENSE),
+    _text("blk.{bid}.ffn_up.weight", (L + "mlp.up_proj.weight",), layers=DENSE),
+    _text("blk.{bid}.ffn_down.weight", (L + "mlp.down_proj.weight",), layers=DENSE),
     # latent MoE
-    Rule("blk.{bid}.ffn_gate_inp.weight", (M + "gate.weight",), dtype="f32", layers=MOE),
-    Rule("blk.{bid}.exp_probs_b.bias", (M + "gate.e_score_correction_bias",), dtype="f32", layers=MOE),
-    Rule("blk.{bid}.ffn_gate_shexp.weight", (M + "shared_experts.gate_proj.weight",), layers=MOE),
-    Rule("blk.{bid}.ffn_up_shexp.weight", (M + "shared_experts.up_proj.weight",), layers=MOE),
-    Rule("blk.{bid}.ffn_down_shexp.weight", (M + "shared_experts.down_proj.weight",), layers=MOE),
-    Rule("blk.{bid}.ffn_routed_down.weight", (M + "routed_expert_down_proj.weight",), layers=LATENT),
-    Rule("blk.{bid}.ffn_routed_up.weight", (M + "routed_expert_up_proj.weight",), layers=LATENT),
-    Rule("blk.{bid}.ffn_routed_norm.weight", (M + "routed_expert_norm.weight",), dtype="f32", layers=LATENT),
-    Rule(
+    _text("blk.{bid}.ffn_gate_inp.weight", (M + "gate.weight",), dtype="f32", layers=MOE),
+    _text("blk.{bid}.exp_probs_b.bias", (M + "gate.e_score_correction_bias",), dtype="f32", layers=MOE),
+    _text("blk.{bid}.ffn_gate_shexp.weight", (M + "shared_experts.gate_proj.weight",), layers=MOE),
+    _text("blk.{bid}.ffn_up_shexp.weight", (M + "shared_experts.up_proj.weight",), layers=MOE),
+    _text("blk.{bid}.ffn_down_shexp.weight", (M + "shared_experts.down_proj.weight",), layers=MOE),
+    _text("blk.{bid}.ffn_routed_down.weight", (M + "routed_expert_down_proj.weight",), layers=LATENT),
+    _text("blk.{bid}.ffn_routed_up.weight", (M + "routed_expert_up_proj.weight",), layers=LATENT),
+    _text("blk.{bid}.ffn_routed_norm.weight", (M + "routed_expert_norm.weight",), dtype="f32", layers=LATENT),
+    _text(
         "blk.{bid}.ffn_gate_exps.weight",
         (M + "experts.{e}.w1.weight_packed", M + "experts.{e}.w1.weight_scale"),
         "mxfp4_stack",
@@ -183,7 +167,7 @@ RULES: tuple[Rule, ...] = (
         QUANTIZED,
         "w1 = gate",
     ),
-    Rule(
+    _text(
         "blk.{bid}.ffn_down_exps.weight",
         (M + "experts.{e}.w2.weight_packed", M + "experts.{e}.w2.weight_scale"),
         "mxfp4_stack",
@@ -192,7 +176,7 @@ RULES: tuple[Rule, ...] = (
         QUANTIZED,
         "w2 = down",
     ),
-    Rule(
+    _text(
         "blk.{bid}.ffn_up_exps.weight",
         (M + "experts.{e}.w3.weight_packed", M + "experts.{e}.w3.weight_scale"),
         "mxfp4_stack",
@@ -201,7 +185,7 @@ RULES: tuple[Rule, ...] = (
         QUANTIZED,
         "w3 = up",
     ),
-    Rule(
+    _text(
         "blk.{bid}.ffn_gate_exps.weight",
         (M + "experts.{e}.w1.weight",),
         "stack",
@@ -210,7 +194,7 @@ RULES: tuple[Rule, ...] = (
         FLOAT,
         "w1 = gate",
     ),
-    Rule(
+    _text(
         "blk.{bid}.ffn_down_exps.weight",
         (M + "experts.{e}.w2.weight",),
         "stack",
@@ -219,14 +203,14 @@ RULES: tuple[Rule, ...] = (
         FLOAT,
         "w2 = down",
     ),
-    Rule(
+    _text(
         "blk.{bid}.ffn_up_exps.weight", (M + "experts.{e}.w3.weight",), "stack", "keep", MOE, FLOAT, "w3 = up"
     ),
 )
 
 
 # a saved plan names rules by position: it is only reused by the same table
-RULES_DIGEST = hashlib.sha256(repr(RULES).encode()).hexdigest()[:16]
+RULES_DIGEST = rules_digest(RULES)
 
 
 # MoonViT tower + patchmergerv2 projector -> one mmproj GGUF, as llama.cpp's Kimi-K2.5 converter
@@ -289,6 +273,23 @@ VISION_RULES: tuple[Rule, ...] = (
     _vision("mm.2.weight", MP + "proj.2.weight", note="patchmergerv2 second linear"),
     _vision("mm.2.bias", MP + "proj.2.bias", dtype="f32", optional=True),
 )
+
+
+def expert_tensor(layer: int, expert: int, proj: str, part: str) -> str:
+    """A routed expert's source tensor: ``proj`` w1/w2/w3, ``part`` weight_packed/weight_scale/weight."""
+    return TEXT_PREFIX + M.format(bid=layer) + f"experts.{expert}.{proj}.{part}"
+
+
+def expert_of(name: str, layer: int, proj: str, part: str) -> int | None:
+    """The expert a source tensor name is, for that layer, projection and part; else None."""
+    head, tail = TEXT_PREFIX + M.format(bid=layer) + "experts.", f".{proj}.{part}"
+    if name.startswith(head) and name.endswith(tail) and name[len(head) : -len(tail)].isdigit():
+        return int(name[len(head) : -len(tail)])
+    return None
+
+
+def vision_block_prefix(block: int) -> str:
+    return VB.format(bid=block)
 
 
 def expert_dims(cfg: K3Config, output: str) -> tuple[int, int]:

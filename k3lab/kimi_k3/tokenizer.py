@@ -20,7 +20,7 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gguf import GGUFValueType
+from gguf import GGUFValueType, TokenType
 
 from k3lab.errors import K3LabError
 from k3lab.formats.bpe_merges import bpe_merge_ranks
@@ -28,7 +28,9 @@ from k3lab.formats.files import InputFileError, read_bounded, read_json, read_te
 from k3lab.formats.gguf_stream import KV
 from k3lab.kimi_k3.config import K3Config
 
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5  # gguf TokenType
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = (
+    int(t) for t in (TokenType.NORMAL, TokenType.CONTROL, TokenType.UNUSED)
+)
 PRE_TOKENIZER = "kimi-k2"
 # Kimi's split pattern (tiktoken `pat_str`), as the facts give it; llama.cpp calls it `kimi-k2`
 KIMI_PAT_STR = "|".join(
@@ -316,15 +318,4 @@ def build_vocabulary(meta_dir: str | Path, cfg: K3Config | None = None) -> Vocab
         unk_id=special_id("unk_token"),
         chat_template=source_chat_template(meta_dir, tok_cfg),
         specials=specials,
-    )
-
-
-def tokenizer_kvs(meta_dir: str | Path, chat_template: str | None = None) -> list:
-    """The standalone tokenizer GGUF's metadata: the vocabulary plus every ``kimi-k3.*``
-    hyperparameter. ``chat_template`` (a template's text) replaces the source's own."""
-    from k3lab.kimi_k3.keys import model_kvs
-
-    cfg = K3Config.load(meta_dir)
-    return model_kvs(
-        cfg, meta_dir, "Kimi-K3 tokenizer", "MXFP4_MOE" if cfg.is_mxfp4 else "BF16", chat_template
     )

@@ -22,7 +22,6 @@ import numpy as np
 
 from k3lab.formats.gguf_stream import KV, GGUFStream, split_kvs
 from k3lab.formats.safetensors import NUMPY_DTYPE, TensorEntry
-from k3lab.kimi_k3.keys import ARCH
 from k3lab.pipeline.folder import OutputFolder, header_sha256
 from k3lab.pipeline.plan import Plan, PlanError, PlannedTensor
 from k3lab.pipeline.record import Record
@@ -142,7 +141,7 @@ def convert_file(
         entries = shard_entries(plan, number, source)
         reader = Reader(source, entries, progress)
         records, data_start = write_tensors(
-            path, ARCH, kvs, pf.tensors, reader, dict.fromkeys(entries, pf.source_file)
+            path, plan.model.name, kvs, pf.tensors, reader, dict.fromkeys(entries, pf.source_file)
         )
     finally:
         source.release(pf.source_file)

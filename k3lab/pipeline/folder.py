@@ -43,6 +43,7 @@ from typing import Any
 from k3lab.errors import K3LabError, MachineError
 from k3lab.formats.files import InputFileError, fsync_dir, json_bytes, read_bounded, read_json, write_new
 from k3lab.formats.gguf_stream import KV, kvs_from_json, kvs_to_json
+from k3lab.pipeline.model import Model
 from k3lab.pipeline.plan import Plan, PlanError, file_digest, kvs_digest
 from k3lab.pipeline.record import ManifestError, Record, records_of_manifest
 
@@ -240,7 +241,7 @@ class OutputFolder:
         self._write_state(KVS_NAME, "kvs", kvs_to_json(kvs))
         return self._write_state(PLAN_NAME, "plan", plan.to_json())
 
-    def load_plan(self) -> Plan | None:
+    def load_plan(self, model: Model) -> Plan | None:
         """The saved plan, or None when there is none or it cannot be trusted: damaged, edited (each
         file's digest is re-derived from its tensors), or its KVs are not the ones it names."""
         if not self.check_state_dir():
@@ -249,16 +250,16 @@ class OutputFolder:
         if data is None:
             return None
         try:
-            plan = Plan.from_json(data)
+            plan = Plan.from_json(data, model)
             if any(file_digest(plan, f) != f.digest for f in plan.files) or not plan.files:
                 return None
         except (K3LabError, KeyError, TypeError, ValueError, IndexError, AttributeError):
             return None
         return plan if self._kvs_json(plan) is not None else None
 
-    def require_plan(self, inputs_digest: str | None = None) -> Plan:
+    def require_plan(self, model: Model, inputs_digest: str | None = None) -> Plan:
         """The saved plan, for a task or a notebook: one line when there is none (or not this run's)."""
-        plan = self.load_plan()
+        plan = self.load_plan(model)
         path = self.state / PLAN_NAME
         if plan is None:
             raise PlanError(f"{path}: no usable plan (`k3lab plan --out-dir` or `k3lab convert` makes it)")
@@ -382,16 +383,15 @@ class OutputFolder:
         return gone
 
     # --- files outside the split set ------------------------------------------------------------------
-    def check_single_output(self, out: Path, planned: set[str] | None = None) -> None:
-        """``vision``/``tokenizer`` may write ``out`` here: a ``.gguf`` that is not part of a split set,
-        the manifest or the state."""
+    def check_single_output(self, out: Path) -> None:
+        """``vision``/``tokenizer`` may write ``out`` here: a ``.gguf`` that is not part of a split set
+        (by its name, or the names its records give), the manifest or the state."""
         name = out.name
         if STATE_DIR in out.parts:
             raise FolderError(f"{out}: is inside {STATE_DIR}/, k3lab's state; write the file beside it")
         if not name.endswith(".gguf") or name.startswith("."):
             raise FolderError(f"{out}: give a file name ending in .gguf")
-        plan = self.load_plan() if planned is None else None
-        taken = planned if planned is not None else ({f.filename for f in plan.files} if plan else set())
+        taken = {r.file for r in self.records() if r.is_text}
         if SPLIT_NAME.fullmatch(name) or name in taken:
             raise FolderError(
                 f"{out}: is the name of a file of a split set; give the mmproj or tokenizer its own name"

@@ -23,7 +23,7 @@ from typing import Any
 
 from k3lab.errors import K3LabError
 from k3lab.formats.safetensors import MAX_HEADER
-from k3lab.pipeline.sources import META_FILES, OPTIONAL_META, Source, SourceError, SourceSpec
+from k3lab.pipeline.sources import Source, SourceError, SourceSpec
 
 PREFETCH_AHEAD = 1  # shards downloaded ahead of the one converting: at most two on disk per worker
 HEADER_PROBE = 1 << 20  # the first ranged read; most headers fit in it
@@ -65,16 +65,38 @@ def with_retries(what: str, fn: Any, attempts: int = 8, base_delay: float = 0.25
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def hub_spec(
+    meta_dir: str | Path,
+    repo: str,
+    revision: str | None = None,
+    scratch: str | Path | None = None,
+    endpoint: str | None = None,
+    token: str | None = None,
+    keep_source: bool = False,
+    meta_files: tuple[str, ...] = (),
+    optional_meta: tuple[str, ...] = (),
+) -> SourceSpec:
+    """The spec of a Hub repo (``token`` is never written anywhere, nor shown)."""
+    options = (("revision", revision), ("scratch", str(scratch) if scratch else None), ("endpoint", endpoint))
+    return SourceSpec(
+        "hub", str(meta_dir), repo, (*options, ("keep_source", keep_source)), token, meta_files, optional_meta
+    )
+
+
+def open_source(spec: SourceSpec) -> Source:
+    return HubSource(spec)
+
+
 class HubSource(Source):
     """A checkpoint on the Hub: headers by ranged reads, a shard's bytes once acquired into scratch."""
 
     def __init__(self, spec: SourceSpec):
         super().__init__()
-        assert spec.repo is not None
-        self.repo, self.revision, self.token = spec.repo, spec.revision or "main", spec.token
-        self.endpoint, self.keep = spec.endpoint, spec.keep_source
+        self.repo, self.revision, self.token = spec.location, spec.option("revision") or "main", spec.token
+        self.endpoint, self.keep = spec.option("endpoint"), bool(spec.option("keep_source"))
         self.meta_dir = Path(spec.meta_dir)
-        self.scratch = Path(spec.scratch or self.meta_dir / "scratch")
+        self.scratch = Path(spec.option("scratch") or self.meta_dir / "scratch")
+        self.meta_files, self.optional_meta = spec.meta_files, spec.optional_meta
         self._pending: dict[str, Future] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._downloaded: set[str] = set()  # what this source put in scratch: all it may delete
@@ -82,12 +104,12 @@ class HubSource(Source):
     def fetch_meta(self) -> None:
         """Download the metadata files into ``meta`` where missing (the planner's first step)."""
         self.meta_dir.mkdir(parents=True, exist_ok=True)
-        for name in META_FILES + OPTIONAL_META:
+        for name in self.meta_files + self.optional_meta:
             if not (self.meta_dir / name).exists():
                 try:
                     self._download(name, self.meta_dir)
                 except HubError:
-                    if name not in OPTIONAL_META:
+                    if name not in self.optional_meta:
                         raise
 
     def where(self, file: str) -> str:
@@ -151,7 +173,9 @@ class HubSource(Source):
             leftover.unlink(missing_ok=True)
 
     def close(self) -> None:
-        """Cancel prefetches and delete what they left (a run that stops early)."""
+        """Cancel prefetches and delete what they and whole-tensor reads left (a run that stops early)."""
+        for file in list(self._acquired):
+            self.release(file)
         for file, fut in list(self._pending.items()):
             fut.cancel()
             with contextlib.suppress(Exception):  # the download's own error is not this run's

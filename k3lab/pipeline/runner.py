@@ -18,7 +18,7 @@ import queue as queue_mod
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -30,7 +30,9 @@ from tqdm.auto import tqdm  # a widget bar in a notebook, a text bar on a termin
 from k3lab.errors import K3LabError, MachineError
 from k3lab.pipeline.convert import FileResult, convert_file
 from k3lab.pipeline.folder import OutputFolder, check_basename
-from k3lab.pipeline.plan import Plan, make_plan, plan_options, still_current
+from k3lab.pipeline.model import Model
+from k3lab.pipeline.plan import Plan
+from k3lab.pipeline.planner import make_plan, plan_options, still_current
 from k3lab.pipeline.sources import SourceSpec
 
 
@@ -38,12 +40,12 @@ class ShardSpecError(K3LabError):
     """A --shards value that is not N, A-B or a comma mix of them within the set."""
 
 
-def parse_shards(spec: str | None, n: int) -> list[int]:
-    """``N``, ``A-B`` or a comma mix (1-based, inclusive); None or 'all' means every shard."""
-    if spec is None or spec.strip().lower() == "all":
+def parse_shards(chosen: str | None, n: int) -> list[int]:
+    """``N``, ``A-B`` or a comma mix (1-based, inclusive); None or 'all' means every output file."""
+    if chosen is None or chosen.strip().lower() == "all":
         return list(range(1, n + 1))
     out: set[int] = set()
-    for part in spec.split(","):
+    for part in chosen.split(","):
         part = part.strip()
         try:
             if "-" in part:
@@ -54,17 +56,19 @@ def parse_shards(spec: str | None, n: int) -> list[int]:
             else:
                 out.add(int(part))
         except ValueError:
-            raise ShardSpecError(f"--shards {spec!r}: {part!r} is not N or A-B") from None
+            raise ShardSpecError(f"--shards {chosen!r}: {part!r} is not N or A-B") from None
     bad = sorted(k for k in out if not 1 <= k <= n)
     if bad:
-        raise ShardSpecError(f"--shards {spec!r}: shard {bad[0]} is outside 1..{n}")
+        raise ShardSpecError(f"--shards {chosen!r}: shard {bad[0]} is outside 1..{n}")
     return sorted(out)
 
 
 @dataclass(frozen=True)
 class Task:
-    """Everything a worker needs to convert output files of one run, as plain values."""
+    """Everything a worker needs to convert output files of one run, as plain values (the model
+    travels by name: see ``Model.__reduce__``)."""
 
+    model: Model
     out_dir: str
     source: SourceSpec
     plan_digest: str  # the worker checks it loaded the plan this run made
@@ -72,8 +76,8 @@ class Task:
 
 
 @functools.lru_cache(maxsize=2)
-def _task_plan(out_dir: str, plan_digest: str) -> Plan:
-    return OutputFolder(out_dir).require_plan(plan_digest)
+def _task_plan(model: Model, out_dir: str, plan_digest: str) -> Plan:
+    return OutputFolder(out_dir).require_plan(model, plan_digest)
 
 
 _progress_queue: Any = None  # set in worker processes by _init_worker
@@ -81,7 +85,7 @@ _progress_queue: Any = None  # set in worker processes by _init_worker
 
 def run_task(task: Task, number: int, next_number: int | None = None) -> FileResult:
     """Convert output file ``number``: the task every runner runs."""
-    plan = _task_plan(task.out_dir, task.plan_digest)
+    plan = _task_plan(task.model, task.out_dir, task.plan_digest)
     source = task.source.open()
     if next_number is not None:
         source.prefetch(plan.file(next_number).source_file)
@@ -132,32 +136,32 @@ def _watch_parent(parent: int) -> None:
 @dataclass(frozen=True)
 class RunOptions:
     outtype: str = "auto"
-    basename: str = "Kimi-K3"
+    basename: str | None = None  # the model's default
     chat_template: str | None = None
     force: bool = False
 
 
 def prepare(
-    spec: SourceSpec, out_dir: str | Path, options: RunOptions = RunOptions()
+    model: Model, spec: SourceSpec, out_dir: str | Path, options: RunOptions = RunOptions()
 ) -> tuple[Plan, list | None]:
     """The plan for this output folder, every input checked: the saved one when it can be trusted
     and its inputs are unchanged, else a new one with the KVs to save. Writes nothing."""
-    check_basename(options.basename)
+    basename = check_basename(options.basename or model.default_basename)
     folder = OutputFolder(out_dir)
     folder.check_state_dir()
     source = spec.open_fresh()
-    if spec.is_hub:
-        source.fetch_meta()  # type: ignore[attr-defined]
-    saved = folder.load_plan()
+    source.fetch_meta()
+    saved = folder.load_plan(model)
     if saved is not None and still_current(
-        saved, source, plan_options(options.outtype, options.basename, options.chat_template)
+        saved, source, plan_options(options.outtype, basename, options.chat_template)
     ):
         return saved, None
-    return make_plan(source, options.outtype, options.basename, options.chat_template)
+    return make_plan(model, source, options.outtype, basename, options.chat_template)
 
 
 @contextlib.contextmanager
 def start_run(
+    model: Model,
     spec: SourceSpec,
     out_dir: str | Path,
     options: RunOptions = RunOptions(),
@@ -167,7 +171,7 @@ def start_run(
     """Plan and pick the files (failing before anything is written), then hold the folder for the
     block: lock, save a new plan, remove what a killed run left. With ``run_token``, join the run
     holding the lock."""
-    plan, kvs = prepare(spec, out_dir, options)
+    plan, kvs = prepare(model, spec, out_dir, options)
     numbers = shards if isinstance(shards, list) else parse_shards(shards, len(plan.files))
     folder = OutputFolder(out_dir)
     with folder.hold(run_token) as token:
@@ -179,6 +183,7 @@ def start_run(
 
 
 def convert_shards(
+    model: Model,
     spec: SourceSpec,
     out_dir: str | Path,
     shards: list[int] | str | None = None,
@@ -192,7 +197,7 @@ def convert_shards(
     ``jobs`` at a time, or one Dask task each on the cluster at ``scheduler``; merge the manifest.
     Progress: none when ``quiet``; shown on a terminal only when False; always when None (a notebook,
     whose output is no terminal)."""
-    with start_run(spec, out_dir, options, run_token, shards) as (plan, token, numbers):
+    with start_run(model, spec, out_dir, options, run_token, shards) as (plan, token, numbers):
         return _convert_planned(plan, spec, str(out_dir), numbers, jobs, quiet, scheduler, options)
 
 
@@ -206,7 +211,7 @@ def _convert_planned(
     scheduler: str | None,
     options: RunOptions,
 ) -> list[FileResult]:
-    task = Task(out_dir, spec, plan.inputs_digest, options.force)
+    task = Task(plan.model, out_dir, spec, plan.inputs_digest, options.force)
     folder = OutputFolder(out_dir)
     results: list[FileResult] = []
     todo = []
@@ -241,8 +246,7 @@ def _convert_planned(
             _run_pool(task, todo, jobs, overall, results, errors)
     finally:
         overall.close()
-        if spec.is_hub:
-            spec.open().close()  # type: ignore[attr-defined]
+        spec.open().close()
         try:
             folder.merge()
         except K3LabError as e:  # (a full disk) reported after the error that came first
@@ -300,7 +304,7 @@ def _run_pool(task: Task, todo: list[int], jobs: int, overall: Any, results: lis
                     errors.append(e)
                 except BrokenProcessPool:
                     _drain(q, overall, busy)
-                    errors.append(_worker_died(workers, busy, results))
+                    errors.append(_worker_died(workers, busy, results, lambda: _left_partials(task, todo)))
                     pending.clear()
                     break
             time.sleep(0.05)
@@ -344,9 +348,25 @@ def _drain(q: Any, overall: Any, busy: dict[int, int] | None = None) -> None:
             overall.update(n)
 
 
-def _worker_died(workers: dict[int, Any], busy: dict[int, int], results: list[FileResult]) -> MachineError:
+def _left_partials(task: Task, todo: list[int]) -> list[int]:
+    """The files whose ``.partial`` is still there: a worker killed by SIGKILL could not remove its
+    own (and its report of which file it took may have died with it, in its queue's thread)."""
+    plan = _task_plan(task.model, task.out_dir, task.plan_digest)
+    folder = OutputFolder(task.out_dir)
+    return [k for k in todo if folder.output(plan.file(k).filename + ".partial").exists()]
+
+
+def _worker_died(
+    workers: dict[int, Any], busy: dict[int, int], results: list[FileResult], left: Callable[[], list[int]]
+) -> MachineError:
     """A worker killed from outside (the OOM killer, kill -9): one line naming its file and signal."""
     done = {r.number for r in results}
+    for p in workers.values():  # the others are stopped (and remove their .partial) first
+        p.join(2)
+    partials = left()
+    for p in workers.values():  # what a killed worker was converting, where it could not say
+        if p.exitcode and p.exitcode != -signal.SIGTERM and p.pid not in busy and len(partials) == 1:
+            busy[p.pid] = partials[0]
     dead = []
     for p in workers.values():
         p.join(1)

@@ -6,7 +6,10 @@ one shard: ``acquire(file)`` (local: nothing; Hub: download into scratch, resumi
 hints the next file (Hub: its download starts while this one converts; at most one ahead).
 
 A ``SourceSpec`` is the picklable recipe for a source: every worker (a ``--jobs`` process, a Dask
-worker on another machine) opens its own from it, so the same task runs anywhere.
+worker on another machine) opens its own from it, so the same task runs anywhere. Source kinds are
+registered by name in ``KINDS`` (kind -> the module that defines it, imported when first opened):
+a new kind is one new module with a ``Source`` subclass and a ``open_source(spec)`` function, plus
+its line in ``KINDS``.
 
 Local validation: the index must agree with the files (every file it names exists, every tensor
 it names is in that file's header and every tensor in a header is in the index); headers are
@@ -18,6 +21,7 @@ from __future__ import annotations
 import abc
 import functools
 import hashlib
+import importlib
 import mmap
 import os
 import re
@@ -38,9 +42,8 @@ from k3lab.formats.safetensors import (
 )
 
 INDEX_NAME = "model.safetensors.index.json"
-# the metadata files a text conversion is planned from (their bytes are part of the plan's digest)
-META_FILES = ("config.json", INDEX_NAME, "tiktoken.model", "tokenizer_config.json")
-OPTIONAL_META = ("chat_template.jinja", "preprocessor_config.json")
+# source kinds: kind -> the module defining ``open_source(spec)`` (imported when first opened)
+KINDS = {"local": "k3lab.pipeline.sources", "hub": "k3lab.pipeline.hub"}
 
 
 class SourceError(K3LabError):
@@ -114,10 +117,10 @@ def sha256_file(path: Path, limit: int = META_LIMIT) -> str:
     return h.hexdigest()
 
 
-def meta_fingerprint(meta_dir: str | Path) -> dict[str, str | None]:
+def meta_fingerprint(meta_dir: str | Path, names: tuple[str, ...]) -> dict[str, str | None]:
     """SHA-256 of each metadata file the plan reads (None where an optional one is absent)."""
     out: dict[str, str | None] = {}
-    for name in META_FILES + OPTIONAL_META:
+    for name in names:
         path = Path(meta_dir) / name
         present = path.exists() or path.is_symlink()
         out[name] = sha256_file(path) if present else None
@@ -126,21 +129,24 @@ def meta_fingerprint(meta_dir: str | Path) -> dict[str, str | None]:
 
 @dataclass(frozen=True)
 class SourceSpec:
-    """How to open a source: a local folder (``src_dir``) or a Hub repo (``repo``). Plain values only,
-    so that it can be sent to a worker process or a Dask worker."""
+    """How to open a source: its ``kind`` (a key of ``KINDS``), the metadata folder, where the shards
+    are (a folder, a repo), the kind's own options, and the metadata files it may fetch. Plain values
+    only, so that it can be sent to a worker process or a Dask worker."""
 
+    kind: str
     meta_dir: str
-    src_dir: str | None = None
-    repo: str | None = None
-    revision: str | None = None
-    scratch: str | None = None
-    endpoint: str | None = None
+    location: str
+    options: tuple[tuple[str, Any], ...] = ()
     token: str | None = field(default=None, repr=False)
-    keep_source: bool = False  # the Hub: leave downloaded shards in scratch
+    meta_files: tuple[str, ...] = ()  # (required, then optional: see ``optional_meta``)
+    optional_meta: tuple[str, ...] = ()
 
-    @property
-    def is_hub(self) -> bool:
-        return self.repo is not None
+    @classmethod
+    def local(cls, meta_dir: str | Path, src_dir: str | Path | None = None) -> SourceSpec:
+        return cls("local", str(meta_dir), str(src_dir or meta_dir))
+
+    def option(self, name: str, default: Any = None) -> Any:
+        return dict(self.options).get(name, default)
 
     def open(self) -> Source:
         """This process's source for the spec, opened once (a worker converting several shards)."""
@@ -151,17 +157,20 @@ class SourceSpec:
         return _open_source.__wrapped__(self)
 
     def describe(self) -> str:
-        return f"{self.repo}@{self.revision or 'main'}" if self.is_hub else str(self.src_dir)
+        return self.location
 
 
 @functools.lru_cache(maxsize=4)
 def _open_source(spec: SourceSpec) -> Source:
     """One source per spec and process (a worker converting several shards opens it once)."""
-    if spec.is_hub:
-        from k3lab.pipeline.hub import HubSource
+    if spec.kind not in KINDS:
+        raise SourceError(f"{spec.kind!r}: no such kind of source (known: {', '.join(KINDS)})")
+    return importlib.import_module(KINDS[spec.kind]).open_source(spec)
 
-        return HubSource(spec)
-    return LocalSource(spec.src_dir or spec.meta_dir, spec.meta_dir)
+
+def open_source(spec: SourceSpec) -> Source:
+    """The local kind: a folder."""
+    return LocalSource(spec.location, spec.meta_dir)
 
 
 class Source(abc.ABC):
@@ -177,6 +186,7 @@ class Source(abc.ABC):
         self._headers: dict[str, dict[str, TensorEntry]] = {}
         self._header_sha: dict[str, str] = {}
         self._fds: dict[str, int] = {}
+        self._acquired: dict[str, dict[str, TensorEntry]] = {}  # shards read whole by ``array``
         self._lock = threading.Lock()
 
     # --- the index (parsed only by the planner: a task never needs it) ---
@@ -253,6 +263,14 @@ class Source(abc.ABC):
         """Forget a parsed header (read again when needed): bounded memory while planning."""
         self._headers.pop(file, None)
 
+    def fetch_meta(self) -> None:
+        """Make the metadata files readable in ``meta_dir`` (local: they are)."""
+        return None  # a local folder holds them already
+
+    def close(self) -> None:
+        """The run is over: stop background work and remove what it left (local: nothing)."""
+        return None  # nothing in flight
+
     # --- one shard's bytes ---
     def acquire(self, file: str) -> None:
         """Make ``file``'s bytes readable (local: they are)."""
@@ -264,6 +282,7 @@ class Source(abc.ABC):
 
     def release(self, file: str) -> None:
         """Done with ``file``: close it (the Hub source also deletes it)."""
+        self._acquired.pop(file, None)
         with self._lock:
             fd = self._fds.pop(file, None)
         if fd is not None:
@@ -299,8 +318,16 @@ class Source(abc.ABC):
         return fd
 
     def array(self, name: str) -> np.ndarray:
-        """A whole tensor as a read-only memory map (the reference and the notebooks; never the converter)."""
-        return read_tensor(self.entry(name))
+        """A whole tensor as a read-only memory map (the reference and the notebooks; never the
+        converter). Its shard is acquired first (the Hub: downloaded) and kept until released."""
+        file = self.weight_map.get(name)
+        if file is None:
+            raise SourceError(f"{self.index_path}: no tensor {name}")
+        entries = self._acquired.get(file)
+        if entries is None:
+            self.acquire(file)
+            entries = self._acquired[file] = self.shard_header(file)[0]
+        return read_tensor(entries[name])
 
     # --- for subclasses ---
     @abc.abstractmethod

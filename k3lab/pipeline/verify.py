@@ -20,9 +20,16 @@ import numpy as np
 from tqdm import tqdm
 
 from k3lab.pipeline.folder import OutputFolder
+from k3lab.pipeline.model import Model
 from k3lab.pipeline.record import ManifestError, Record
+from k3lab.pipeline.sources import SourceSpec
 
 READ = 16 * 1024 * 1024
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = (
+    gguf.Keys.Split.LLM_KV_SPLIT_NO,
+    gguf.Keys.Split.LLM_KV_SPLIT_COUNT,
+    gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT,
+)
 
 
 @dataclass
@@ -56,7 +63,7 @@ def load_manifest(out_dir: Path, manifest: str | Path | None) -> list[Record]:
 def _split_fields(path: Path) -> dict[str, int]:
     r = gguf.GGUFReader(path)
     out = {}
-    for key in ("split.no", "split.count", "split.tensors.count"):
+    for key in (SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS):
         if key in r.fields:
             out[key] = int(r.fields[key].contents())
     return out
@@ -110,14 +117,16 @@ MAX_LISTED = 20  # problems of one kind listed one by one; the rest are counted
 def verify(
     out_dir: str | Path,
     manifest: str | Path | None = None,
-    src: str | Path | None = None,
-    meta: str | Path | None = None,
+    source: SourceSpec | None = None,
+    model: Model | None = None,
     quiet: bool = False,
     only: set[str] | None = None,
 ) -> Report:
-    """Check the split set in ``out_dir``; with ``src`` also re-derive it from the source.
-    ``only`` restricts the check to those file names (one shard of a run still in progress).
-    The work is bounded by the records and the files present, never by a count a manifest claims."""
+    """Check the split set in ``out_dir`` against its manifest; with ``model``, also against the
+    folder's plan; with ``source`` (local or the Hub: any source kind) and ``model``, re-derive every
+    tensor from the source. ``only`` restricts the check to those file names (one shard of a run
+    still in progress). The work is bounded by the records and the files present, never by a count
+    a manifest claims."""
     out_dir = Path(out_dir)
     folder = OutputFolder(out_dir)
     every = load_manifest(out_dir, manifest)
@@ -135,7 +144,7 @@ def verify(
     texts = [r for r in every if r.is_text]
     count = texts[0].split_count if texts else 0
     n_tensors = texts[0].split_tensors if texts else 0
-    _check_set(folder, texts, count, n_tensors, report, complete=only is None)
+    _check_set(folder, model, texts, count, n_tensors, report, complete=only is None)
     total = sum(r.size for r in records + others)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=True if quiet else None)
     names: dict[str, str] = {}
@@ -165,18 +174,26 @@ def verify(
             except Exception as e:  # a header gguf-py cannot even parse
                 report.problems.append(f"{rec.file}: header unreadable ({e})")
                 continue
-            want = {"split.no": rec.number - 1, "split.count": count, "split.tensors.count": n_tensors}
+            want = {SPLIT_NO: rec.number - 1, SPLIT_COUNT: count, SPLIT_TENSORS: n_tensors}
             for key, value in want.items():
                 if fields.get(key) != value:
                     report.problems.append(f"{rec.file}: {key} is {fields.get(key)}, expected {value}")
     bar.close()
-    if src is not None:
-        _rederive(out_dir, records, Path(src), Path(meta or src), report, quiet)
+    if source is not None:
+        if model is None:
+            raise ManifestError("re-deriving from a source needs the model")
+        _rederive(model, out_dir, records, source, report, quiet)
     return report
 
 
 def _check_set(
-    folder: OutputFolder, texts: list[Record], count: int, n_tensors: int, report: Report, complete: bool
+    folder: OutputFolder,
+    model: Model | None,
+    texts: list[Record],
+    count: int,
+    n_tensors: int,
+    report: Report,
+    complete: bool,
 ) -> None:
     """The records agree on the set (count, tensors, numbers within it, no number twice) and, where
     the folder holds a plan it can trust, with that plan: file names, tensor names, types and shapes."""
@@ -203,7 +220,7 @@ def _check_set(
                 report.problems.append(
                     f"... and {len(gone) - MAX_LISTED} more split files not in the manifest"
                 )
-    plan = folder.load_plan()
+    plan = folder.load_plan(model) if model is not None else None
     if plan is None or len(plan.files) != count:
         return
     for r in texts:
@@ -225,22 +242,23 @@ def _check_set(
 
 
 def _rederive(
-    out_dir: Path, records: list[dict[str, Any]], src: Path, meta: Path, report: Report, quiet: bool
+    model: Model, out_dir: Path, records: list[Record], spec: SourceSpec, report: Report, quiet: bool
 ) -> None:
-    """Plan the source again and stream every planned tensor from it; compare hashes. A file whose
+    """Plan the source again and stream every planned tensor from it (a Hub source downloads each
+    shard in turn, converts nothing, and deletes it); compare hashes, types and shapes. A file whose
     record was made from other inputs (another config, tokenizer or template) is reported stale."""
-    from k3lab.kimi_k3.config import K3Config
     from k3lab.pipeline.convert import Reader, tensor_pieces
-    from k3lab.pipeline.plan import build_plan
-    from k3lab.pipeline.sources import LocalSource
+    from k3lab.pipeline.planner import build_plan
 
     if not records:
         return
-    saved = OutputFolder(out_dir).load_plan()
+    saved = OutputFolder(out_dir).load_plan(model)
     options = saved.inputs.get("options", {}) if saved is not None else {}
-    source = LocalSource(src, meta)
+    source = spec.open_fresh()
+    source.fetch_meta()
     plan = build_plan(  # every source tensor checked against the config, as converting does
-        K3Config.load(meta),
+        model,
+        model.load_config(Path(spec.meta_dir)),
         source,
         records[0].outtype,
         records[0].basename,
@@ -253,40 +271,50 @@ def _rederive(
         desc="re-derive",
         disable=True if quiet else None,
     )
-    for rec in records:
-        if not 1 <= rec.number <= len(plan.files):
-            report.problems.append(f"{rec.file}: the source plans only {len(plan.files)} files")
-            continue
-        pf = plan.file(rec.number)
-        if rec.plan_digest != pf.digest:
-            what = "metadata, tensors or source shard" if pf.number == 1 else "tensors or source shard"
-            report.problems.append(
-                f"{rec.file}: stale: made from other inputs than {src} ({what} differ); convert again"
-            )
-        want = {t["name"]: t for t in rec.tensors}
-        entries = source.header(pf.source_file)
-        reader = Reader(source, entries, bar.update)
-        for pt in pf.tensors:
-            h = hashlib.sha256()
-            for piece in tensor_pieces(pt, reader):
-                h.update(memoryview(np.ascontiguousarray(piece)).cast("B"))
-            t = want.get(pt.name)
-            if t is None:
-                report.problems.append(
-                    f"{rec.file}: tensor {pt.name}: planned from the source but not in the manifest"
-                )
+    try:
+        for rec in records:
+            if not 1 <= rec.number <= len(plan.files):
+                report.problems.append(f"{rec.file}: the source plans only {len(plan.files)} files")
                 continue
-            if (t["type"], t["ne"]) != (pt.info.type.name, list(pt.info.ne)):
+            pf = plan.file(rec.number)
+            if rec.plan_digest != pf.digest:
+                what = "metadata, tensors or source shard" if pf.number == 1 else "tensors or source shard"
                 report.problems.append(
-                    f"{rec.file}: tensor {pt.name}: recorded {t['type']} {t['ne']}, the source gives "
-                    f"{pt.info.type.name} {list(pt.info.ne)}"
+                    f"{rec.file}: stale: made from other inputs than {spec.describe()} ({what} differ); convert again"
                 )
-            if h.hexdigest() != t["sha256"]:
-                report.problems.append(
-                    f"{rec.file}: tensor {pt.name}: re-derived from the source, SHA-256 differs "
-                    f"(source {pf.source_file}: {pt.sources[0]}"
-                    + (f" and {len(pt.sources) - 1} more)" if len(pt.sources) > 1 else ")")
-                )
-        source.release(pf.source_file)
-        source.release_header(pf.source_file)
-    bar.close()
+            source.acquire(pf.source_file)
+            try:
+                entries, _ = source.shard_header(pf.source_file)
+                _compare(rec, pf, Reader(source, entries, bar.update), report, tensor_pieces)
+            finally:
+                source.release(pf.source_file)
+                source.release_header(pf.source_file)
+    finally:
+        bar.close()
+        source.close()
+
+
+def _compare(rec: Record, pf: Any, reader: Any, report: Report, tensor_pieces: Callable) -> None:
+    """Every planned tensor of one file re-derived and compared with its record."""
+    want = {t["name"]: t for t in rec.tensors}
+    for pt in pf.tensors:
+        h = hashlib.sha256()
+        for piece in tensor_pieces(pt, reader):
+            h.update(memoryview(np.ascontiguousarray(piece)).cast("B"))
+        t = want.get(pt.name)
+        if t is None:
+            report.problems.append(
+                f"{rec.file}: tensor {pt.name}: planned from the source but not in the manifest"
+            )
+            continue
+        if (t["type"], t["ne"]) != (pt.info.type.name, list(pt.info.ne)):
+            report.problems.append(
+                f"{rec.file}: tensor {pt.name}: recorded {t['type']} {t['ne']}, the source gives "
+                f"{pt.info.type.name} {list(pt.info.ne)}"
+            )
+        if h.hexdigest() != t["sha256"]:
+            report.problems.append(
+                f"{rec.file}: tensor {pt.name}: re-derived from the source, SHA-256 differs "
+                f"(source {pf.source_file}: {pt.sources[0]}"
+                + (f" and {len(pt.sources) - 1} more)" if len(pt.sources) > 1 else ")")
+            )

@@ -22,7 +22,7 @@ import numpy as np
 from k3lab.errors import K3LabError
 from k3lab.kimi_k3.config import K3Config
 from k3lab.kimi_k3.reference import Reference, rms_norm
-from k3lab.pipeline.sources import LocalSource
+from k3lab.pipeline.sources import Source
 
 DEFAULT_PROMPT = (
     "The quick brown fox converts every shard of the model. 人工智能正在改变世界。 "
@@ -122,8 +122,7 @@ def llama_logits(
 
 
 def check_logits(
-    meta_dir: str | Path,
-    src_dir: str | Path,
+    source: Source,
     gguf_path: str | Path,
     prompt: str | None = None,
     tokens: list[int] | None = None,
@@ -133,8 +132,8 @@ def check_logits(
     """Whole-model logits, the reference against llama.cpp (information: on weights drawn at random,
     tiny rounding differences compound through the layers; the verdict is ``check_stages``)."""
     tokens, test = llama_logits(gguf_path, tokens, prompt)
-    cfg = K3Config.load(meta_dir)
-    ref = Reference(cfg, LocalSource(src_dir, meta_dir), mode).logits(tokens)
+    cfg = K3Config.load(source.meta_dir)
+    ref = Reference(cfg, source, mode).logits(tokens)
     return compare(tokens, ref, test, threshold)
 
 
@@ -197,8 +196,7 @@ STAGE_NAMES = (
 
 
 def check_stages(
-    meta_dir: str | Path,
-    src_dir: str | Path,
+    source: Source,
     gguf_path: str | Path,
     tokens: list[int],
     mode: str = "ggml",
@@ -209,8 +207,8 @@ def check_stages(
     final mix, norm and head. A wrong tensor is named where it acts, whatever the weights look like."""
     from k3lab.pipeline.llama_trace import trace
 
-    cfg = K3Config.load(meta_dir)
-    ref = Reference(cfg, LocalSource(src_dir, meta_dir), mode)
+    cfg = K3Config.load(source.meta_dir)
+    ref = Reference(cfg, source, mode)
     w, eps, bs, n = ref.w, ref.eps, ref.block, cfg.n_layer
     names = {"inp_embd", "result_norm", "result_output", "res_probs"}
     names |= {f"{x}-{il}" for x in STAGE_NAMES for il in range(n)}

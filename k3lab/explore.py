@@ -10,7 +10,6 @@ from __future__ import annotations
 import html
 import json
 import os
-import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +21,13 @@ from k3lab.errors import K3LabError
 from k3lab.formats import mxfp4
 from k3lab.formats.numerics import bf16_bits_to_f32
 from k3lab.kimi_k3.config import K3Config
+from k3lab.kimi_k3.model import MODEL
+from k3lab.kimi_k3.rules import expert_of, expert_tensor, vision_block_prefix
 from k3lab.kimi_k3.tokenizer import build_vocabulary, read_tiktoken
+from k3lab.pipeline.folder import OutputFolder
 from k3lab.pipeline.plan import Plan
-from k3lab.pipeline.sources import LocalSource, SourceSpec
-from k3lab.pipeline.vision import plan_vision
+from k3lab.pipeline.single import plan_single
+from k3lab.pipeline.sources import Source, SourceSpec
 
 OUTLIER_LOW, OUTLIER_HIGH = 0, 250  # E8M0 bytes worth a look: an all-zero block, or ~2**123
 HOME_ENV = "K3LAB_HOME"  # set by `k3lab lab`: where the notebooks' relative paths start
@@ -54,18 +56,47 @@ def save_result(result: dict[str, Any], path: str | Path | None) -> None:
         Path(path).write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
 
 
-def open_conversion(meta: str | Path, src: str | Path, out_dir: str | Path) -> tuple[Plan, LocalSource]:
-    """The saved plan of converting ``src`` into ``out_dir`` (made and saved now when missing or
-    stale, as ``k3lab convert`` would) and the source it reads."""
+def source_spec(
+    meta: str | Path, src: str | Path | None = None, repo: str | None = None, revision: str | None = None
+) -> SourceSpec:
+    """The checkpoint, as the command line names it: a local folder (``src``, default ``meta``) or a
+    Hub repo (``repo`` at ``revision``; ``HF_TOKEN`` and ``HF_ENDPOINT`` from the environment)."""
+    if repo is None:
+        return SourceSpec.local(meta, src)
+    from k3lab.pipeline.hub import hub_spec
+
+    return hub_spec(
+        meta,
+        repo,
+        revision,
+        endpoint=os.environ.get("HF_ENDPOINT"),
+        token=os.environ.get("HF_TOKEN"),
+        meta_files=MODEL.meta_files,
+        optional_meta=MODEL.optional_meta,
+    )
+
+
+def _spec(meta: str | Path, src: str | Path | SourceSpec | None) -> SourceSpec:
+    return src if isinstance(src, SourceSpec) else source_spec(meta, src)
+
+
+def open_conversion(
+    meta: str | Path, src: str | Path | SourceSpec, out_dir: str | Path
+) -> tuple[Plan, Source]:
+    """The saved plan of converting the checkpoint (a folder, or any ``SourceSpec``) into
+    ``out_dir`` (made and saved now when missing or stale, as ``k3lab convert`` would) and the source
+    it reads."""
     from k3lab.pipeline.runner import prepare
 
-    spec = SourceSpec(str(meta), src_dir=str(src))
-    return prepare(spec, out_dir)[0], spec.open_fresh()  # type: ignore[return-value]
+    spec = _spec(meta, src)
+    source = spec.open_fresh()
+    source.fetch_meta()
+    return prepare(MODEL, spec, out_dir)[0], source
 
 
 def convert(
     meta: str | Path,
-    src: str | Path,
+    src: str | Path | SourceSpec,
     out_dir: str | Path,
     shards: list[int] | None = None,
     force: bool = False,
@@ -76,16 +107,24 @@ def convert(
     the run holding ``run_token`` when `k3lab batch` runs this), with a progress bar if asked."""
     from k3lab.pipeline.runner import RunOptions, convert_shards
 
-    spec = SourceSpec(str(meta), src_dir=str(src))
     quiet = None if progress else True  # None: a bar even where the output is no terminal (a notebook)
     return convert_shards(
-        spec, out_dir, shards, quiet=quiet, options=RunOptions(force=force), run_token=run_token
+        MODEL,
+        _spec(meta, src),
+        out_dir,
+        shards,
+        quiet=quiet,
+        options=RunOptions(force=force),
+        run_token=run_token,
     )
 
 
-def open_checkpoint(src: str | Path, meta: str | Path | None = None) -> tuple[K3Config, LocalSource]:
-    meta = meta or src
-    return K3Config.load(meta), LocalSource(src, meta)
+def open_checkpoint(src: str | Path | SourceSpec, meta: str | Path | None = None) -> tuple[K3Config, Source]:
+    """The config and the source of a checkpoint (a folder, or any ``SourceSpec``)."""
+    spec = src if isinstance(src, SourceSpec) else source_spec(meta or src, src)
+    source = spec.open_fresh()
+    source.fetch_meta()
+    return K3Config.load(spec.meta_dir), source
 
 
 def planned_by_source(plan: Plan) -> dict[str, list[tuple[Any, Any]]]:
@@ -99,9 +138,7 @@ def planned_by_source(plan: Plan) -> dict[str, list[tuple[Any, Any]]]:
     return out
 
 
-def shard_rows(
-    plan: Plan, source: LocalSource, shard: int, by_source: dict | None = None
-) -> list[dict[str, Any]]:
+def shard_rows(plan: Plan, source: Source, shard: int, by_source: dict | None = None) -> list[dict[str, Any]]:
     """One row per tensor of source shard ``shard`` (1-based): where it is, and what it becomes. Reads
     that shard's header only (the plan is made once: ``open_conversion``)."""
     files = source.files()
@@ -110,7 +147,7 @@ def shard_rows(
     mapped = by_source if by_source is not None else planned_by_source(plan)
     if not mapped.keys() & {e.name for e in entries}:
         try:
-            mapped = {s: [(None, t)] for t in plan_vision(plan.cfg, source) for s in t.sources}
+            mapped = {s: [(None, t)] for t in plan_single(MODEL, plan.cfg, source) for s in t.sources}
         except K3LabError:  # not a vision shard either
             mapped = {}
     rows = []
@@ -135,13 +172,9 @@ def shard_rows(
     return rows
 
 
-def _expert_names(
-    source: LocalSource, layer: int, proj: str, part: str = "weight_scale"
-) -> list[tuple[int, str]]:
-    pat = re.compile(
-        rf"language_model\.model\.layers\.{layer}\.block_sparse_moe\.experts\.(\d+)\.{proj}\.{part}$"
-    )
-    return sorted((int(m.group(1)), n) for n in source.weight_map if (m := pat.match(n)))
+def _expert_names(source: Source, layer: int, proj: str, part: str = "weight_scale") -> list[tuple[int, str]]:
+    found = ((expert_of(n, layer, proj, part), n) for n in source.weight_map)
+    return sorted((e, n) for e, n in found if e is not None)
 
 
 @dataclass
@@ -177,7 +210,7 @@ class ScaleStats:
 PROJ_NAMES = {"w1": "gate (w1)", "w2": "down (w2)", "w3": "up (w3)"}
 
 
-def scale_stats(source: LocalSource, layer: int, proj: str, outlier_limit: int = 50) -> ScaleStats:
+def scale_stats(source: Source, layer: int, proj: str, outlier_limit: int = 50) -> ScaleStats:
     """Streams the experts one at a time (memory: one expert's scales), counting with bincount on
     the uint8 bytes as they are: no copy of a whole stack, no float64 of it."""
     counts = np.zeros(256, dtype=np.int64)
@@ -205,17 +238,17 @@ def scale_stats(source: LocalSource, layer: int, proj: str, outlier_limit: int =
     return ScaleStats(layer, proj, counts, means, outliers)
 
 
-def expert_codes(source: LocalSource, layer: int, proj: str, expert: int = 0) -> np.ndarray:
+def expert_codes(source: Source, layer: int, proj: str, expert: int = 0) -> np.ndarray:
     """The FP4 codes (0..15) of one expert matrix."""
-    name = f"language_model.model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.weight_packed"
+    name = expert_tensor(layer, expert, proj, "weight_packed")
     return mxfp4.unpack_codes(np.asarray(source.array(name)))
 
 
 def first_block(
-    source: LocalSource, layer: int, proj: str, expert: int = 0, row: int = 0, block: int = 0
+    source: Source, layer: int, proj: str, expert: int = 0, row: int = 0, block: int = 0
 ) -> dict[str, Any]:
     """One 32-value block before and after the repack: the 16 + 1 source bytes and the 17 ggml bytes."""
-    base = f"language_model.model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}."
+    base = expert_tensor(layer, expert, proj, "")
     packed = np.asarray(source.array(base + "weight_packed"))[row : row + 1, block * 16 : block * 16 + 16]
     scale = np.asarray(source.array(base + "weight_scale"))[row : row + 1, block : block + 1]
     ggml = mxfp4.repack(packed, scale)
@@ -232,7 +265,7 @@ def first_block(
     }
 
 
-def weight_stats(source: LocalSource, names: list[str]) -> list[dict[str, Any]]:
+def weight_stats(source: Source, names: list[str]) -> list[dict[str, Any]]:
     """mean, std and max |x| of float tensors (BF16 widened exactly)."""
     rows = []
     for n in names:
@@ -251,11 +284,11 @@ def weight_stats(source: LocalSource, names: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def vision_blocks(cfg: K3Config, source: LocalSource) -> list[dict[str, Any]]:
+def vision_blocks(cfg: K3Config, source: Source) -> list[dict[str, Any]]:
     """The MoonViT tower block by block: parameter count and weight spread of each block."""
     rows = []
     for i in range(int(cfg.vision["vt_num_hidden_layers"])):
-        names = sorted(n for n in source.weight_map if n.startswith(f"vision_tower.encoder.blocks.{i}."))
+        names = sorted(n for n in source.weight_map if n.startswith(vision_block_prefix(i)))
         stats = weight_stats(source, names)
         rows.append(
             {
@@ -302,8 +335,6 @@ def tokenize_with_merges(meta: str | Path, text: str) -> dict[str, Any]:
 def manifest_summary(out_dir: str | Path) -> list[dict[str, Any]]:
     """Per output file of a converted set: status, tensors, bytes, types and the source shard; files the
     saved plan has but the manifest does not are listed as not converted."""
-    from k3lab.pipeline.folder import OutputFolder
-
     folder = OutputFolder(out_dir)
     rows = []
     for rec in folder.read_manifest():
@@ -321,7 +352,7 @@ def manifest_summary(out_dir: str | Path) -> list[dict[str, Any]]:
                 "from": ", ".join(sources[:2]) + (f" (+{len(sources) - 2})" if len(sources) > 2 else ""),
             }
         )
-    plan = folder.load_plan()
+    plan = folder.load_plan(MODEL)
     if plan is None:
         return rows
     listed = {r["file"] for r in rows}

@@ -1,0 +1,151 @@
+"""The model interface: everything the pipeline needs to know of an architecture, handed to it as
+one object. The pipeline imports no model; a model module (``k3lab.kimi_k3``, or the toy model in
+the tests) builds a ``Model`` and the front passes it in.
+
+A model is data and plain functions:
+- a config: loaded and validated from ``config.json`` (``load_config``), rebuilt from a saved plan
+  (``config_from_dict``); whatever type the model likes, with ``raw``, ``path``, ``n_layer`` and
+  ``n_expert``;
+- a table of ``Rule``s (checkpoint names -> GGUF names, a transform and a type policy each) and the
+  ``Transform``s they name (``pipeline.streams``);
+- how a checkpoint is cut in units (layer k, then the output tensors), what tags a unit and a config
+  have (which rules apply), and what each source tensor must be (``layout``: dtype and shape);
+- file 1's GGUF metadata, the standalone tokenizer's, and optionally a second, single-file output
+  (the vision mmproj) described the same way (``SingleFileModel``).
+
+A ``Model`` pickles as a reference to its module (``__reduce__``), so a task sent to a worker
+process or a Dask worker on another machine carries the model by name, never its code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from k3lab.formats.gguf_stream import KV
+from k3lab.pipeline.streams import Transform
+
+ALL, OUTPUT, ANY = "all", "output", "any"
+
+
+class ModelConfig(Protocol):
+    raw: dict[str, Any]
+    path: str
+
+    @property
+    def n_layer(self) -> int: ...
+
+    @property
+    def n_expert(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What the config says one source tensor is (``kind``: how synthetic values are drawn)."""
+
+    name: str
+    dtype: str  # safetensors dtype: BF16, F32, U8
+    shape: tuple[int, ...]
+    kind: str = ""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One output tensor: its name (``{bid}`` is the unit), its source tensors (``{e}`` expands over
+    the routed experts, expert-major), the transform, the type policy (``keep``: the source's float
+    type or ``--outtype``; ``f32``; ``mxfp4``), the unit tag it applies to (``layers``) and the config
+    tag it needs (``when``)."""
+
+    output: str
+    sources: tuple[str, ...]
+    transform: str = "copy"
+    dtype: str = "keep"
+    layers: str = ALL
+    when: str = ANY
+    note: str = ""
+    prefix: str = ""
+    optional: bool = False  # e.g. a .bias the config says is absent: converted when present
+
+    @property
+    def per_expert(self) -> bool:
+        return any("{e}" in s for s in self.sources)
+
+    def applies(self, unit_tags: frozenset[str], config_tags: frozenset[str]) -> bool:
+        return self.layers in unit_tags and (self.when == ANY or self.when in config_tags)
+
+    def source_names(self, cfg: ModelConfig, bid: int | None) -> list[str]:
+        names = []
+        experts = range(cfg.n_expert) if self.per_expert else [None]
+        for e in experts:  # expert-major: all of expert 0's sources, then expert 1's ...
+            names += [self.prefix + s.format(bid=bid, e=e) for s in self.sources]
+        return names
+
+    def output_name(self, bid: int | None) -> str:
+        return self.output.format(bid=bid)
+
+
+def rules_digest(rules: tuple[Rule, ...]) -> str:
+    """A saved plan names rules by position: it is only reused by the same table."""
+    return hashlib.sha256(repr(rules).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class SingleFileModel:
+    """A second output of one file beside the split set (Kimi-K3's vision mmproj)."""
+
+    arch: str  # its GGUF general.architecture
+    kind: str  # the record's kind ("vision")
+    key: str  # the record's name in .k3lab/ ("mmproj")
+    prefixes: tuple[str, ...]  # the source tensors it takes
+    rules: tuple[Rule, ...]
+    units: Callable[[Any], list[int | None]]
+    unit_tags: Callable[[Any, int | None], frozenset[str]]
+    layout: Callable[[Any], dict[str, TensorSpec]]
+    kvs: Callable[[Any, Path], list[KV]]  # (config, meta folder) -> its metadata
+    check_config: Callable[[Any], None]  # one line when the config cannot describe it
+
+
+@dataclass(frozen=True, eq=False)
+class Model:
+    name: str  # GGUF general.architecture
+    module: str  # the module whose MODEL this is (how it pickles)
+    default_basename: str
+    text_prefix: str  # source tensors of the split set start with it
+    meta_files: tuple[str, ...]  # the metadata files a plan is made from (their bytes are in its digest)
+    optional_meta: tuple[str, ...]
+    rules: tuple[Rule, ...]
+    transforms: Mapping[str, Transform]
+    load_config: Callable[[Path], Any]
+    config_from_dict: Callable[[dict[str, Any], str], Any]
+    unit_of: Callable[[str], int | None]  # the layer a source tensor name belongs to, or None
+    unit_tags: Callable[[Any, int | None], frozenset[str]]
+    config_tags: Callable[[Any], frozenset[str]]
+    layout: Callable[[Any, int | None], dict[str, TensorSpec]]
+    # (config, meta folder, general.name, file type label, chat template, [(tensor, shape)]) -> file 1's KVs
+    file_kvs: Callable[[Any, Path, str, str, str | None, list[tuple[str, tuple[int, ...]]]], list[KV]]
+    tokenizer_kvs: Callable[[Path, str | None], list[KV]] | None = None
+    single: SingleFileModel | None = None
+    other_prefixes: tuple[str, ...] = field(default=())  # source tensors of other outputs
+
+    @property
+    def rules_digest(self) -> str:
+        return rules_digest(self.rules)
+
+    def units(self, cfg: Any) -> list[int | None]:
+        """Layers in order, then the output tensors: output file k is made from unit k-1."""
+        return [*range(cfg.n_layer), None]
+
+    def __reduce__(self) -> tuple[Callable[[str], Model], tuple[str]]:
+        return load_model, (self.module,)
+
+
+def load_model(module: str) -> Model:
+    """The ``MODEL`` of a model module (how a model travels to a worker: by name)."""
+    model = getattr(importlib.import_module(module), "MODEL", None)
+    if not isinstance(model, Model):
+        raise TypeError(f"{module}: has no MODEL")
+    return model

@@ -1,0 +1,243 @@
+"""Planning: from config.json, the index, the tokenizer files and every shard's header (one in memory
+at a time), every output file and tensor, checked before anything is written.
+
+Every source tensor must be used by a rule and every rule must find its sources; every source
+tensor's dtype and shape is checked against what the config implies (the model's ``layout``), so a
+header that disagrees with the config can never convert, nor verify.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from gguf import GGMLQuantizationType
+
+from k3lab.errors import K3LabError
+from k3lab.formats.gguf_stream import KV, TensorInfo
+from k3lab.formats.safetensors import TensorEntry
+from k3lab.pipeline.forecast import file_memory, vocab_memory
+from k3lab.pipeline.model import Model, Rule, TensorSpec
+from k3lab.pipeline.plan import (
+    FLOAT_DTYPES,
+    OUTPUT_FORMAT,
+    OUTTYPES,
+    PLAN_FORMAT,
+    Plan,
+    PlanError,
+    PlannedFile,
+    PlannedTensor,
+    file_digest,
+    kvs_digest,
+    output_filename,
+)
+from k3lab.pipeline.sources import meta_fingerprint
+from k3lab.pipeline.streams import TransformError
+
+
+def _output_type(rule: Rule, src_dtype: str, outtype: str, where: str) -> GGMLQuantizationType:
+    if rule.dtype == "mxfp4":
+        return GGMLQuantizationType.MXFP4
+    if src_dtype not in FLOAT_DTYPES:
+        raise PlanError(f"{where}: is {src_dtype}, expected a float tensor (BF16, F16 or F32)")
+    if rule.dtype == "f32":
+        return GGMLQuantizationType.F32
+    return FLOAT_DTYPES[src_dtype] if outtype == "auto" else FLOAT_DTYPES[outtype.upper()]
+
+
+FLOAT_SOURCE = ("BF16", "F16", "F32")
+
+
+def check_entry(e: TensorEntry, spec: TensorSpec | None, bid: int | None, rule: Rule) -> None:
+    """A source tensor against what the config says it is: its shape exactly, and its dtype (packed
+    MXFP4 bytes are U8; any float type may hold a float tensor)."""
+    if spec is None:
+        return  # an optional tensor the layout does not list (a vision bias): its rule checks it
+    dtype_ok = e.dtype == spec.dtype if spec.dtype == "U8" else e.dtype in FLOAT_SOURCE
+    if not dtype_ok or e.shape != spec.shape:
+        want = spec.dtype if spec.dtype == "U8" else "float"
+        where = f"layer {bid}" if bid is not None else "output tensors"
+        raise PlanError(
+            f"{e.file}: tensor {e.name}: {e.dtype} {list(e.shape)}, expected {want} {list(spec.shape)} "
+            f"(from config.json; {where}, {rule.note or rule.output_name(bid)})"
+        )
+
+
+def plan_tensor(
+    rule: Rule,
+    cfg: Any,
+    source: Any,
+    bid: int | None,
+    outtype: str,
+    where: str,
+    expected: dict[str, TensorSpec],
+    unit_tags: frozenset[str],
+    config_tags: frozenset[str],
+    model: Any,
+) -> PlannedTensor | None:
+    """One rule at one unit (or none): its sources checked against ``expected`` (what the config
+    says each source tensor is), output type and shape decided. ``model`` gives the transforms."""
+    if not rule.applies(unit_tags, config_tags):
+        return None
+    names = rule.source_names(cfg, bid)
+    weight_map = source.weight_map
+    missing = [n for n in names if n not in weight_map]
+    if missing and rule.optional and len(missing) == len(names):
+        return None
+    if missing:
+        raise PlanError(f"{where}: tensor {missing[0]} is missing ({rule.output_name(bid)} needs it)")
+    entries = [source.entry(n) for n in names]
+    for e in entries:
+        check_entry(e, expected.get(e.name), bid, rule)
+    transform = model.transforms[rule.transform]
+    try:
+        shape = transform.shape(*(e.shape for e in entries), cfg=cfg)
+    except TransformError as err:
+        raise PlanError(f"{entries[0].file}: tensor {entries[0].name}: {err}") from None
+    gtype = _output_type(rule, entries[0].dtype, outtype, f"{entries[0].file}: tensor {entries[0].name}")
+    try:
+        info = TensorInfo(rule.output_name(bid), gtype, tuple(shape))
+        info.nbytes  # noqa: B018 - raises when the last dimension does not fill the type's blocks
+    except ValueError as err:
+        raise PlanError(f"{entries[0].file}: tensor {entries[0].name}: {err}") from None
+    return PlannedTensor(info, rule, bid, cfg, transform)
+
+
+def build_plan(
+    model: Model,
+    cfg: Any,
+    source: Any,
+    outtype: str = "auto",
+    basename: str | None = None,
+    chat_template: str | None = None,
+) -> Plan:
+    """Plan the conversion of the split set from config, index and every shard's header (one in
+    memory at a time), checking every source tensor is used by a rule and every rule finds its
+    sources, with the dtype and shape the config implies."""
+    if outtype not in OUTTYPES:
+        raise PlanError(f"--outtype {outtype!r}: choose from {', '.join(OUTTYPES)}")
+    basename = basename or model.default_basename
+    weight_map: dict[str, str] = source.weight_map
+    text_names = [n for n in weight_map if n.startswith(model.text_prefix)]
+    unknown = [n for n in weight_map if not n.startswith((model.text_prefix, *model.other_prefixes))]
+    if unknown:
+        raise PlanError(f"{weight_map[unknown[0]]}: tensor {unknown[0]} is not a tensor any rule table knows")
+    by_unit: dict[int | None, list[str]] = {}
+    for name in text_names:
+        by_unit.setdefault(model.unit_of(name), []).append(name)
+    bad = sorted(b for b in by_unit if b is not None and not 0 <= b < cfg.n_layer)
+    if bad:
+        raise PlanError(
+            f"{weight_map[by_unit[bad[0]][0]]}: tensor {by_unit[bad[0]][0]} is layer {bad[0]}, "
+            f"but the config has {cfg.n_layer} layers"
+        )
+    config_tags = model.config_tags(cfg)
+    used: set[str] = set()
+    files: list[PlannedFile] = []
+    for bid in model.units(cfg):
+        tensors: list[PlannedTensor] = []
+        homes: set[str] = set()
+        home = {weight_map[n] for n in by_unit.get(bid, [])}
+        where = next(iter(home)) if len(home) == 1 else str(source.index_path)
+        expected = model.layout(cfg, bid)
+        tags = model.unit_tags(cfg, bid)
+        for rule in model.rules:
+            pt = plan_tensor(rule, cfg, source, bid, outtype, where, expected, tags, config_tags, model)
+            if pt is not None:
+                tensors.append(pt)
+                names = pt.sources
+                used.update(names)
+                homes.update(weight_map[n] for n in names)
+        if len(homes) != 1:
+            label = "the output tensors" if bid is None else f"layer {bid}"
+            raise PlanError(
+                f"{source.index_path}: {label} is spread over {len(homes)} files ({', '.join(sorted(homes))});"
+                " k3lab converts one source shard per output file"
+            )
+        file = homes.pop()
+        pf = PlannedFile(len(files) + 1, "", file, source.planned_shard(file), tensors)
+        pf.memory = file_memory(pf, [source.entry(n) for t in tensors for n in t.sources])
+        files.append(pf)
+        source.release_header(file)  # one shard's header in memory at a time (the real ones are ~1 MB)
+    unused = [n for n in text_names if n not in used]
+    if unused:
+        raise PlanError(
+            f"{weight_map[unused[0]]}: tensor {unused[0]} is not used by any rule (k3lab never drops "
+            "a tensor silently)"
+        )
+    sources = [f.source_file for f in files]
+    if len(set(sources)) != len(sources):
+        dup = next(f for f in sources if sources.count(f) > 1)
+        raise PlanError(
+            f"{dup}: holds tensors of two layers; k3lab converts one source shard per output file"
+        )
+    plan = Plan(model, cfg, outtype, basename, files)
+    for f in files:
+        f.filename = output_filename(basename, plan.label, f.number, len(files))
+    kvs = plan_kvs(plan, source.meta_dir, chat_template)
+    plan.kvs_digest = kvs_digest(kvs)
+    files[0].memory += vocab_memory(kvs)
+    for f in files:
+        f.digest = file_digest(plan, f)
+    return plan
+
+
+def plan_kvs(plan: Plan, meta_dir: Any, chat_template: str | None = None) -> list[KV]:
+    """File 1's metadata, besides the split keys."""
+    tensors = [(t.name, t.info.shape) for f in plan.files for t in f.tensors]
+    name = f"{plan.basename} {plan.label}"
+    return plan.model.file_kvs(plan.cfg, meta_dir, name, plan.file_type, chat_template, tensors)
+
+
+# --- what a plan is made from ------------------------------------------------------------------------
+
+
+def inputs_fingerprint(
+    model: Model, source: Any, shards: list[str], options: dict[str, Any]
+) -> dict[str, Any]:
+    """What the plan depends on, read cheaply: every metadata file's SHA-256, each shard's size and
+    header SHA-256 (the Hub: its ETag), the options, k3lab's output format and the rule table."""
+    return {
+        "k3lab": [PLAN_FORMAT, OUTPUT_FORMAT, model.name, model.rules_digest],
+        "options": options,
+        "meta": meta_fingerprint(source.meta_dir, model.meta_files + model.optional_meta),
+        "shards": source.shard_fingerprint(shards),
+    }
+
+
+def inputs_digest(inputs: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+def make_plan(
+    model: Model,
+    source: Any,
+    outtype: str = "auto",
+    basename: str | None = None,
+    chat_template: str | None = None,
+) -> tuple[Plan, list[KV]]:
+    """A new plan of converting ``source``, with its inputs' fingerprint, and file 1's KVs."""
+    basename = basename or model.default_basename
+    options = plan_options(outtype, basename, chat_template)
+    cfg = model.load_config(source.meta_dir)
+    plan = build_plan(model, cfg, source, outtype, basename, chat_template)
+    plan.inputs = inputs_fingerprint(model, source, [f.source_file for f in plan.files], options)
+    plan.inputs_digest = inputs_digest(plan.inputs)
+    return plan, plan_kvs(plan, source.meta_dir, chat_template)
+
+
+def plan_options(outtype: str, basename: str, chat_template: str | None) -> dict[str, Any]:
+    return {"outtype": outtype, "basename": basename, "chat_template": chat_template}
+
+
+def still_current(saved: Plan, source: Any, options: dict[str, Any]) -> bool:
+    """Whether a saved plan was made from these very inputs (cheap: hashes of the metadata files and
+    shard headers); a shard gone missing reads as changed (planning again says which)."""
+    try:
+        inputs = inputs_fingerprint(saved.model, source, sorted(saved.inputs.get("shards", {})), options)
+        # the config the plan carries must be the one on disk (a plan's own digest can be forged)
+        same_config = saved.model.load_config(source.meta_dir).raw == saved.cfg.raw
+    except K3LabError:
+        return False
+    return same_config and inputs_digest(inputs) == saved.inputs_digest

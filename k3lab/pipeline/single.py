@@ -1,0 +1,115 @@
+"""A single file beside the split set, through the same pipeline: a model's second output (Kimi-K3's
+vision mmproj: ``Model.single``), and the standalone tokenizer GGUF (``Model.tokenizer_kvs``).
+
+Planned and checked first (every source tensor against the config's layout, ``--out`` not a name of
+the split set), then written holding the folder's lock, with a record in ``.k3lab/`` and the
+merged manifest rebuilt.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from k3lab.errors import K3LabError
+from k3lab.formats.gguf_stream import KV, write_metadata_only
+from k3lab.pipeline.convert import Reader, write_tensors
+from k3lab.pipeline.folder import OutputFolder
+from k3lab.pipeline.model import Model, SingleFileModel
+from k3lab.pipeline.plan import PlanError, PlannedTensor
+from k3lab.pipeline.planner import plan_tensor
+from k3lab.pipeline.sources import Source, SourceSpec
+
+
+def plan_single(model: Model, cfg: Any, source: Source) -> list[PlannedTensor]:
+    """Every source tensor the model's single file takes, each used exactly once."""
+    single = model.single
+    if single is None:
+        raise K3LabError(f"{model.name}: has no single-file output")
+    single.check_config(cfg)
+    names = [n for n in source.weight_map if n.startswith(single.prefixes)]
+    if not names:
+        raise PlanError(f"{source.index_path}: no {' or '.join(p + '*' for p in single.prefixes)} tensors")
+    where = source.weight_map[names[0]]
+    expected = single.layout(cfg)
+    planned: list[PlannedTensor] = []
+    for bid in single.units(cfg):
+        tags = single.unit_tags(cfg, bid)
+        for rule in single.rules:
+            pt = plan_tensor(rule, cfg, source, bid, "auto", where, expected, tags, frozenset(), model)
+            if pt is not None:
+                planned.append(pt)
+    used = {n for pt in planned for n in pt.sources}
+    unused = [n for n in names if n not in used]
+    if unused:
+        raise PlanError(
+            f"{source.weight_map[unused[0]]}: tensor {unused[0]} is not used by any {single.kind} rule"
+        )
+    return planned
+
+
+def convert_single(model: Model, spec: SourceSpec, out: str | Path) -> Path:
+    """Write the model's single file (the mmproj) and its record (``OUT_DIR/.k3lab/KEY.json``)."""
+    single = model.single
+    if single is None:
+        raise K3LabError(f"{model.name}: has no single-file output")
+    out = Path(out)
+    folder = OutputFolder(out.parent)
+    folder.check_single_output(out)
+    source = spec.open_fresh()
+    source.fetch_meta()
+    cfg = model.load_config(spec.meta_dir)
+    planned = plan_single(model, cfg, source)
+    files = sorted({source.weight_map[n] for pt in planned for n in pt.sources})
+    kvs = single.kvs(cfg, Path(spec.meta_dir))
+    with folder.hold():
+        folder.check_single_output(out)  # (a plan saved meanwhile)
+        return _write_single(folder, single, out, kvs, planned, source, files)
+
+
+def _write_single(
+    folder: OutputFolder,
+    single: SingleFileModel,
+    out: Path,
+    kvs: list[KV],
+    planned: list[PlannedTensor],
+    source: Source,
+    files: list[str],
+) -> Path:
+    try:
+        for f in files:
+            source.acquire(f)
+        entries = {n: e for f in files for n, e in source.shard_header(f)[0].items()}
+        records, data_start = write_tensors(
+            out,
+            single.arch,
+            kvs,
+            planned,
+            Reader(source, entries),
+            {n: source.weight_map[n] for n in entries},
+        )
+    finally:
+        for f in files:
+            source.release(f)
+    folder.record_single(out, single.kind, single.key, data_start, records)
+    return out
+
+
+def convert_tokenizer(
+    model: Model, meta_dir: str | Path, out: str | Path, chat_template: str | None = None
+) -> Path:
+    """The standalone tokenizer GGUF (vocabulary and hyperparameters, no tensors), with its manifest
+    record beside it, written holding the folder's lock."""
+    if model.tokenizer_kvs is None:
+        raise K3LabError(f"{model.name}: has no standalone tokenizer")
+    out = Path(out)
+    folder = OutputFolder(out.parent)
+    folder.check_single_output(out)
+    kvs = model.tokenizer_kvs(
+        Path(meta_dir), chat_template
+    )  # every input checked before the folder is touched
+    with folder.hold():
+        folder.check_single_output(out)
+        write_metadata_only(out, model.name, kvs)
+        folder.record_single(out, "tokenizer", "tokenizer", out.stat().st_size, [])
+    return out
