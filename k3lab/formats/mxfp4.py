@@ -24,16 +24,13 @@ byte m of (L >> 4 & 0x0F..0F) | (H & 0xF0..F0).
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 
 import numpy as np
 
 from k3lab.errors import K3LabError
-
-try:  # numba is a dependency; the numpy path keeps the module importable without it
-    import numba
-except ImportError:  # pragma: no cover
-    numba = None
 
 QK = 32  # values per block
 BLOCK_BYTES = 17  # 1 scale byte + 16 bytes of nibbles
@@ -82,26 +79,36 @@ def _repack_numpy(packed: np.ndarray, scale: np.ndarray, out: np.ndarray) -> Non
     dst[:, :, 2::2] = (lo >> 4) | (hi & 0xF0)
 
 
-if numba is not None:
+def _repack_words(src: np.ndarray, scale: np.ndarray, dst: np.ndarray) -> None:  # pragma: no cover
+    """The repack on 64-bit words, compiled by numba (``_kernel``)."""
+    # src: flat uint64 (n_blocks*2, little-endian: word 0 = bytes 0..7); scale: flat (n_blocks);
+    # dst: flat uint8 (n_blocks*17)
+    n_blocks = scale.shape[0]
+    low = np.uint64(0x0F0F0F0F0F0F0F0F)
+    four = np.uint64(4)
+    for blk in range(n_blocks):
+        lo = src[2 * blk]
+        hi = src[2 * blk + 1]
+        even = (lo & low) | ((hi & low) << four)  # byte m: elements 2m, 2m+16
+        odd = ((lo >> four) & low) | (hi & ~low)  # byte m: elements 2m+1, 2m+17
+        d = blk * 17
+        dst[d] = scale[blk]
+        for m in range(8):
+            shift = np.uint64(8 * m)
+            dst[d + 1 + 2 * m] = np.uint8((even >> shift) & np.uint64(0xFF))
+            dst[d + 2 + 2 * m] = np.uint8((odd >> shift) & np.uint64(0xFF))
 
-    @numba.njit(cache=True, nogil=True, boundscheck=False)
-    def _repack_kernel(src: np.ndarray, scale: np.ndarray, dst: np.ndarray) -> None:  # pragma: no cover
-        # src: flat uint64 (n_blocks*2, little-endian: word 0 = bytes 0..7); scale: flat (n_blocks);
-        # dst: flat uint8 (n_blocks*17)
-        n_blocks = scale.shape[0]
-        low = np.uint64(0x0F0F0F0F0F0F0F0F)
-        four = np.uint64(4)
-        for blk in range(n_blocks):
-            lo = src[2 * blk]
-            hi = src[2 * blk + 1]
-            even = (lo & low) | ((hi & low) << four)  # byte m: elements 2m, 2m+16
-            odd = ((lo >> four) & low) | (hi & ~low)  # byte m: elements 2m+1, 2m+17
-            d = blk * 17
-            dst[d] = scale[blk]
-            for m in range(8):
-                shift = np.uint64(8 * m)
-                dst[d + 1 + 2 * m] = np.uint8((even >> shift) & np.uint64(0xFF))
-                dst[d + 2 + 2 * m] = np.uint8((odd >> shift) & np.uint64(0xFF))
+
+@functools.lru_cache(maxsize=1)
+def _kernel() -> Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None:
+    """The compiled kernel, made on the first repack (numba costs ~70 MB and a few hundred ms to
+    import: a process that converts no MXFP4 tensor never pays it). Compiled once per machine:
+    numba's on-disk cache keeps it. None where numba is missing (the numpy path then serves)."""
+    try:
+        import numba
+    except ImportError:  # pragma: no cover
+        return None
+    return numba.njit(cache=True, nogil=True, boundscheck=False)(_repack_words)
 
 
 def repack_into(
@@ -116,13 +123,13 @@ def repack_into(
         raise MXFP4ShapeError(f"{what}: output buffer has {dst.size} bytes, MXFP4 needs {need}")
     src = np.ascontiguousarray(packed).reshape(-1)
     sc = np.ascontiguousarray(scale).reshape(-1)
-    if (
-        numba is not None
-        and dst.flags.c_contiguous
-        and src.ctypes.data % 8 == 0
-        and sys.byteorder == "little"
-    ):
-        _repack_kernel(src.view(np.uint64), sc, dst)
+    kernel = (
+        _kernel()
+        if dst.flags.c_contiguous and src.ctypes.data % 8 == 0 and sys.byteorder == "little"
+        else None
+    )
+    if kernel is not None:
+        kernel(src.view(np.uint64), sc, dst)
     else:
         _repack_numpy(src.reshape(rows, cols // 2), sc.reshape(rows, cols // QK), dst)
 

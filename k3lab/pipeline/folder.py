@@ -215,9 +215,9 @@ class OutputFolder:
         self.write_atomically(path, head + data)
         return path
 
-    def _read_state(self, name: str, kind: str) -> Any | None:
-        """A state file's JSON when its first line names ``kind`` and the digest of the rest; None
-        when it is missing, malformed, tampered with or not a regular file."""
+    def _state_body(self, name: str, kind: str) -> bytes | None:
+        """A state file's JSON bytes when its first line names ``kind`` and the SHA-256 of the rest;
+        None when it is missing, malformed, tampered with or not a regular file."""
         try:
             data = read_bounded(self.state / name, STATE_LIMITS[kind], f"{kind} file", follow=False)
         except InputFileError:
@@ -227,6 +227,12 @@ class OutputFolder:
         if len(parts) != 3 or parts[0] != STATE_MAGIC.encode() or parts[1] != kind.encode():
             return None
         if hashlib.sha256(body).hexdigest().encode() != parts[2]:
+            return None
+        return body
+
+    def _read_state(self, name: str, kind: str) -> Any | None:
+        body = self._state_body(name, kind)
+        if body is None:
             return None
         try:
             return json.loads(body)
@@ -255,7 +261,7 @@ class OutputFolder:
                 return None
         except (K3LabError, KeyError, TypeError, ValueError, IndexError, AttributeError):
             return None
-        return plan if self._kvs_json(plan) is not None else None
+        return plan if self._kvs_body(plan) is not None else None
 
     def require_plan(self, model: Model, inputs_digest: str | None = None) -> Plan:
         """The saved plan, for a task or a notebook: one line when there is none (or not this run's)."""
@@ -267,21 +273,29 @@ class OutputFolder:
             raise PlanError(f"{path}: the saved plan changed under this run (another run re-planned?)")
         return plan
 
-    def _kvs_json(self, plan: Plan) -> Any | None:
-        data = self._read_state(KVS_NAME, "kvs")
-        if data is None:
+    def _kvs_body(self, plan: Plan) -> bytes | None:
+        """The KVs' JSON when it is the one the plan names: checked by digest, not parsed (a task
+        that does not write file 1 never holds the 163,840-token vocabulary)."""
+        body = self._state_body(KVS_NAME, "kvs")
+        # the body is json_bytes(kvs_to_json(kvs)): the KV digest's canonical JSON and a newline
+        if body is None or hashlib.sha256(body[:-1]).hexdigest() != plan.kvs_digest:
             return None
-        try:
-            return data if kvs_digest(kvs_from_json(data)) == plan.kvs_digest else None
-        except (KeyError, TypeError, ValueError, IndexError):
-            return None
+        return body
 
     def load_kvs(self, plan: Plan) -> list[KV]:
         """File 1's planned metadata, checked against the plan's digest of it."""
-        data = self._kvs_json(plan)
-        if data is None:
+        body = self._kvs_body(plan)
+        if body is None:
             raise PlanError(f"{self.state / KVS_NAME}: missing or not the plan's; run the command again")
-        return kvs_from_json(data)
+        try:
+            kvs = kvs_from_json(json.loads(body))
+        except (ValueError, KeyError, TypeError, IndexError):
+            raise PlanError(
+                f"{self.state / KVS_NAME}: not file 1's metadata; run the command again"
+            ) from None
+        if kvs_digest(kvs) != plan.kvs_digest:  # (the same bytes, so never; but proven, not assumed)
+            raise PlanError(f"{self.state / KVS_NAME}: not the plan's; run the command again")
+        return kvs
 
     # --- records ----------------------------------------------------------------------------------
     def write_record(self, record: Record) -> Path:

@@ -97,7 +97,17 @@ def run_task(task: Task, number: int, next_number: int | None = None) -> FileRes
         if q is not None:
             q.put((number, n))
 
-    return convert_file(plan, number, source, task.out_dir, task.force, progress if q is not None else None)
+    global _converting
+    _converting += 1
+    try:
+        return convert_file(
+            plan, number, source, task.out_dir, task.force, progress if q is not None else None
+        )
+    finally:
+        _converting -= 1
+
+
+_converting = 0  # conversions running in this process (a SIGTERM then has cleaning up to do)
 
 
 class Stopped(BaseException):
@@ -119,8 +129,16 @@ def _init_worker(progress_queue: Any, parent: int) -> None:
     ignored from birth: see _run_pool)."""
     global _progress_queue
     _progress_queue = progress_queue
-    stop_on_sigterm()
+    signal.signal(signal.SIGTERM, _worker_sigterm)
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="k3lab-parent-watch").start()
+
+
+def _worker_sigterm(signum: int, frame: Any) -> None:
+    """Mid-conversion: unwind, removing the .partial. Idle (waiting for a task, as the workers the
+    pool stops once one of them dies): nothing to clean up and nothing to say, so leave at once."""
+    if _converting:
+        raise Stopped(signal.Signals(signum).name)
+    os._exit(0)
 
 
 def _watch_parent(parent: int) -> None:
