@@ -16,6 +16,7 @@ import errno
 import json
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,28 +68,32 @@ def open_regular(path: str | os.PathLike, what: str = "file", follow: bool = Tru
     return fd, st.st_size
 
 
-def read_bounded(path: str | os.PathLike, limit: int, what: str = "file", follow: bool = True) -> bytes:
-    """The whole of a regular file of at most ``limit`` bytes."""
+def read_chunks(
+    path: str | os.PathLike, limit: int, what: str = "file", follow: bool = True
+) -> Iterator[bytes]:
+    """A regular file of at most ``limit`` bytes, in chunks (a file over the limit, or one that yields
+    more than its size says, as ``/proc`` files do, is one line)."""
     fd, size = open_regular(path, what, follow)
     try:
         if size > limit:
             raise InputFileError(
                 f"{path}: {size} bytes; a {what} is at most {limit} bytes (is this the right file?)"
             )
-        chunks, total = [], 0
-        while True:
-            chunk = os.read(fd, min(limit + 1 - total, 16 * MiB) or 1)
-            if not chunk:
-                break
-            chunks.append(chunk)
+        total = 0
+        while chunk := os.read(fd, min(limit + 1 - total, 16 * MiB) or 1):
             total += len(chunk)
             if total > limit:
                 raise InputFileError(f"{path}: more than {limit} bytes; a {what} is not this large")
+            yield chunk
     except OSError as e:
         raise InputFileError(f"{path}: cannot read the {what} ({e.strerror or e})") from None
     finally:
         os.close(fd)
-    return b"".join(chunks)
+
+
+def read_bounded(path: str | os.PathLike, limit: int, what: str = "file", follow: bool = True) -> bytes:
+    """The whole of a regular file of at most ``limit`` bytes."""
+    return b"".join(read_chunks(path, limit, what, follow))
 
 
 def read_text(path: str | os.PathLike, limit: int, what: str = "file") -> str:
@@ -106,14 +111,6 @@ def read_json(path: str | os.PathLike, limit: int, what: str = "JSON file") -> A
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise InputFileError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
-
-
-def is_regular(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is (through symlinks) a regular file, without opening it."""
-    try:
-        return stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        return False
 
 
 def write_new(path: Path, data: bytes) -> None:

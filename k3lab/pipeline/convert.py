@@ -38,13 +38,21 @@ class Reader:
     def __init__(self, source: Source, entries: dict[str, TensorEntry], progress: Progress | None = None):
         self.source, self.entries, self.progress = source, entries, progress
 
-    def __call__(self, name: str, row_start: int = 0, row_stop: int | None = None) -> np.ndarray:
+    def _range(self, name: str, row_start: int, row_stop: int | None) -> tuple[TensorEntry, int, int, int]:
         e = self.entries[name]
         rows = e.shape[0] if e.shape else 1
         stop = rows if row_stop is None else row_stop
         row_bytes = e.nbytes // rows if rows else 0
-        n = (stop - row_start) * row_bytes
-        buf = self.source.map(e, row_start * row_bytes, n)
+        return e, stop, row_start * row_bytes, (stop - row_start) * row_bytes
+
+    def ahead(self, name: str, row_start: int = 0, row_stop: int | None = None) -> None:
+        """Start reading those rows from disk now (the stream reads them next)."""
+        e, _, offset, n = self._range(name, row_start, row_stop)
+        self.source.will_need(e, offset, n)
+
+    def __call__(self, name: str, row_start: int = 0, row_stop: int | None = None) -> np.ndarray:
+        e, stop, offset, n = self._range(name, row_start, row_stop)
+        buf = self.source.map(e, offset, n)
         if self.progress:
             self.progress(n)
         shape = (stop - row_start, *e.shape[1:]) if e.shape else ()

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from k3lab.errors import K3LabError
-from k3lab.formats.files import InputFileError, open_regular, read_json
+from k3lab.formats.files import open_regular, read_chunks, read_json
 from k3lab.formats.safetensors import (
     TensorEntry,
     parse_header,
@@ -103,20 +103,9 @@ def read_index(*dirs: str | Path) -> tuple[Path, dict[str, str]]:
 
 def sha256_file(path: Path, limit: int = META_LIMIT) -> str:
     """SHA-256 of a regular file of at most ``limit`` bytes (a FIFO or a device is one line)."""
-    fd, size = open_regular(path, "metadata file")
-    try:
-        if size > limit:
-            raise InputFileError(f"{path}: {size} bytes; a metadata file is at most {limit} bytes")
-        h, total = hashlib.sha256(), 0
-        while chunk := os.read(fd, 1 << 22):
-            h.update(chunk)
-            total += len(chunk)
-            if total > limit:
-                raise InputFileError(f"{path}: more than {limit} bytes; a metadata file is not this large")
-    except OSError as e:
-        raise InputFileError(f"{path}: cannot read ({e.strerror or e})") from None
-    finally:
-        os.close(fd)
+    h = hashlib.sha256()
+    for chunk in read_chunks(path, limit, "metadata file"):
+        h.update(chunk)
     return h.hexdigest()
 
 
@@ -315,6 +304,12 @@ class Source(abc.ABC):
             ) from None
         self._drop_behind(fd, base, start + nbytes - base)
         return np.frombuffer(m, dtype=np.uint8, count=nbytes, offset=start - base)
+
+    def will_need(self, entry: TensorEntry, offset: int, nbytes: int) -> None:
+        """A hint: those bytes are mapped next; the kernel starts reading them from disk now, while
+        the current piece is repacked and hashed (a piece's own mapping reads it synchronously)."""
+        if nbytes and hasattr(os, "posix_fadvise") and offset + nbytes <= entry.nbytes:
+            os.posix_fadvise(self._fd(entry.file), entry.start + offset, nbytes, os.POSIX_FADV_WILLNEED)
 
     def _drop_behind(self, fd: int, base: int, length: int) -> None:
         """Drop from the page cache the pages of pieces mapped a while ago (read once: a conversion

@@ -54,6 +54,15 @@ class Read(Protocol):
     def __call__(self, name: str, row_start: int = 0, row_stop: int | None = None) -> np.ndarray:
         """Rows [row_start, row_stop) of a source tensor, in its holding dtype (read-only)."""
 
+    def ahead(self, name: str, row_start: int = 0, row_stop: int | None = None) -> None:
+        """A hint: those rows are read next (the reader may start reading them from disk now)."""
+
+
+def _ahead(job: TensorJob, name: str, row_start: int = 0, row_stop: int | None = None) -> None:
+    ahead = getattr(job.read, "ahead", None)  # (a reader of arrays in memory has no use for it)
+    if ahead is not None:
+        ahead(name, row_start, row_stop)
+
 
 @dataclass(frozen=True)
 class TensorJob:
@@ -97,6 +106,8 @@ def _rows_pieces(job: TensorJob) -> Iterator[np.ndarray]:
     rows = src.shape[0] if src.shape else 1
     step = _slab_rows(src)
     for r in range(0, rows, step):
+        if r + step < rows:
+            _ahead(job, src.name, r + step, min(rows, r + 2 * step))
         yield cast(job.read(src.name, r, min(rows, r + step)), src.dtype, job.target)
 
 
@@ -120,7 +131,9 @@ def _rows_memory(job: TensorJob) -> int:
 
 def _each_pieces(job: TensorJob) -> Iterator[np.ndarray]:
     assert job.read is not None
-    for src in job.sources:
+    for i, src in enumerate(job.sources):
+        if i + 1 < len(job.sources):
+            _ahead(job, job.sources[i + 1].name)
         yield cast(job.read(src.name), src.dtype, job.target)
 
 
@@ -135,6 +148,8 @@ def _mxfp4_pieces(job: TensorJob) -> Iterator[np.ndarray]:
     bufs = [np.empty(expert_shape, dtype=np.uint8) for _ in range(PIECES_RING)]
     for e in range(n_expert):  # (packed, scale) per expert
         packed, scale = job.sources[2 * e], job.sources[2 * e + 1]
+        for following in job.sources[2 * e + 2 : 2 * e + 4]:  # the next expert's, read while this one repacks
+            _ahead(job, following.name)
         buf = bufs[e % len(bufs)]
         mxfp4.repack_into(job.read(packed.name), job.read(scale.name), buf, what=f"tensor {packed.name}")
         yield buf
