@@ -12,6 +12,7 @@ a file somebody else made (see ``pipeline.folder``).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -113,30 +114,16 @@ def read_json(path: str | os.PathLike, limit: int, what: str = "JSON file") -> A
         raise InputFileError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
 
 
-def write_new(path: Path, data: bytes) -> None:
-    """Create ``path`` (which must not exist: ``O_EXCL``, never through a symlink), write, fsync."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_dir(path: Path) -> None:
-    """Make a rename in ``path`` durable (where the filesystem lets a directory be fsynced)."""
+    """Make a rename in ``path`` durable (where the filesystem lets a directory be fsynced: some
+    refuse, and the rename itself has happened either way)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return
-    try:
+    with contextlib.suppress(OSError):
         os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    os.close(fd)
 
 
 def json_bytes(data: Any, indent: int | None = None) -> bytes:

@@ -26,6 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWrit
 
 from k3lab.errors import K3LabError, MachineError
 from k3lab.formats import hashing
+from k3lab.formats.files import fsync_dir
 
 ALIGNMENT = 32  # GGUF default
 
@@ -90,11 +91,9 @@ def _claim(partial: Path) -> None:
     """Create ``partial`` new (``O_EXCL | O_NOFOLLOW``) before gguf-py opens it, so that the file is
     never written through a symlink or over a file k3lab did not make. A regular file of this very
     name is an earlier, killed write of the same file: it goes first."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         if stat.S_ISREG(os.lstat(partial).st_mode):
             partial.unlink()
-    except FileNotFoundError:
-        pass
     try:
         os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
     except FileExistsError:
@@ -273,7 +272,7 @@ class GGUFStream:
             self._writer.fout = None
         if exc_type is None and error is None:
             os.replace(self.partial, self.path)
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
             return
         self.partial.unlink(missing_ok=True)
         if error is not None:
@@ -356,17 +355,6 @@ def _explained(e: BaseException, path: Path, what: str, size: int) -> BaseExcept
             f"{free:,} free); nothing was kept of it"
         )
     return e
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_metadata_only(path: str | os.PathLike, arch: str, kvs: Sequence[KV]) -> Path:

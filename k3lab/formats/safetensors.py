@@ -112,7 +112,7 @@ def _max_depth(raw: bytes) -> int:
 
 
 class _DuplicateKey(Exception):
-    pass
+    """A JSON object of the header names this key twice (raised from the parser's object hook)."""
 
 
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:

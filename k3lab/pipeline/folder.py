@@ -36,16 +36,16 @@ import os
 import re
 import stat
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from k3lab.errors import K3LabError, MachineError
-from k3lab.formats.files import InputFileError, fsync_dir, json_bytes, read_bounded, read_json, write_new
+from k3lab.formats.files import InputFileError, fsync_dir, json_bytes, read_bounded, read_json
 from k3lab.formats.gguf_stream import KV, kvs_from_json, kvs_to_json
 from k3lab.pipeline.model import Model
 from k3lab.pipeline.plan import Plan, PlanError, file_digest, kvs_digest
-from k3lab.pipeline.record import ManifestError, Record, records_of_manifest
+from k3lab.pipeline.record import FORMAT, ManifestError, Record, records_of_manifest
 
 STATE_DIR = ".k3lab"
 LOCK_NAME, PLAN_NAME, KVS_NAME, SCRATCH_NAME = "lock", "plan.json", "kvs.json", "scratch"
@@ -103,10 +103,8 @@ class OutputFolder:
     def create(self) -> None:
         """``OUT/`` and ``OUT/.k3lab/``, the latter a real directory (never a symlink to elsewhere)."""
         self.path.mkdir(parents=True, exist_ok=True)
-        try:
+        with contextlib.suppress(FileExistsError):  # (then it must be a real directory: checked next)
             os.mkdir(self.state)
-        except FileExistsError:
-            pass
         self.check_state_dir()
 
     def check_state_dir(self) -> bool:
@@ -193,26 +191,29 @@ class OutputFolder:
             os.close(fd)
 
     # --- writing files ---------------------------------------------------------------------------
-    def write_atomically(self, path: Path, data: bytes) -> None:
-        """``data`` into ``path.PID.partial`` (created new, never through a symlink), fsync, rename:
-        ``path`` is old or new, never half. A failure removes the partial file and names ``path``."""
+    def write_atomically(self, path: Path, write: Callable[[BinaryIO], Any]) -> None:
+        """``write(fh)`` into ``path.PID.partial`` (created new, never through a symlink), fsync,
+        rename: ``path`` is old or new, never half. A failure removes the partial file and names
+        ``path``."""
         tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # concurrent writers never share one
         try:
             _remove_own_partial(tmp)
-            write_new(tmp, data)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            with open(fd, "wb") as fh:
+                write(fh)
+                fh.flush()
+                os.fsync(fh.fileno())
             os.replace(tmp, path)
             fsync_dir(path.parent)
         except BaseException as e:
-            with contextlib.suppress(FileNotFoundError):
-                if _is_regular_file(tmp):
-                    tmp.unlink()
+            _remove_own_partial(tmp)
             raise _disk_full(e, path) from None
 
     def _write_state(self, name: str, kind: str, body: Any) -> Path:
         data = json_bytes(body)
         head = f"{STATE_MAGIC} {kind} {hashlib.sha256(data).hexdigest()}\n".encode()
         path = self.state / name
-        self.write_atomically(path, head + data)
+        self.write_atomically(path, lambda fh: fh.write(head + data))
         return path
 
     def _state_body(self, name: str, kind: str) -> bytes | None:
@@ -336,42 +337,46 @@ class OutputFolder:
         except OSError:
             return False
 
-    def records(self) -> list[Record]:
-        """Every trustworthy record in ``.k3lab/``, text files first by number, then the others."""
+    def _record_names(self) -> list[str]:
+        """The names of record files in ``.k3lab/``, in the manifest's order: text files by number
+        (``00001.json`` ...), then the others (``mmproj.json``, ``tokenizer.json``)."""
         if not self.check_state_dir():
             return []
-        found = []
-        for p in sorted(self.state.iterdir()):
-            if _RECORD_NAME.fullmatch(p.name) and p.name not in (PLAN_NAME, KVS_NAME):
-                rec = self.read_record(p.name)
-                if rec is not None and rec.state_name == p.name:
-                    found.append(rec)
-        return sorted(found, key=lambda r: (not r.is_text, r.number, r.key))
+        names = [
+            p.name
+            for p in self.state.iterdir()
+            if _RECORD_NAME.fullmatch(p.name) and p.name not in (PLAN_NAME, KVS_NAME)
+        ]
+        return sorted(names, key=lambda n: (not n[0].isdigit(), n))
+
+    def _each_record(self) -> Iterator[tuple[str, Record | None]]:
+        """(name, record or None when it does not read as one), one parsed at a time."""
+        for name in self._record_names():
+            rec = self.read_record(name)
+            yield name, rec if rec is not None and rec.state_name == name else None
+
+    def records(self) -> list[Record]:
+        """Every trustworthy record in ``.k3lab/``, text files first by number, then the others."""
+        return [rec for _, rec in self._each_record() if rec is not None]
 
     def damaged_records(self) -> list[str]:
         """Names of record files that do not read as records (for verify to report)."""
-        if not self.check_state_dir():
-            return []
-        return [
-            p.name
-            for p in sorted(self.state.iterdir())
-            if _RECORD_NAME.fullmatch(p.name)
-            and p.name not in (PLAN_NAME, KVS_NAME)
-            and self.read_record(p.name) is None
-        ]
+        return [name for name, rec in self._each_record() if rec is None]
 
     def merge(self) -> Path:
-        """Rebuild ``MANIFEST.json`` from the records (one record in memory at a time)."""
-        names = [r.state_name for r in self.records()]
-        parts = [b'{\n "files": [']
-        for i, name in enumerate(names):
-            rec = self.read_record(name)
-            if rec is not None:
-                parts.append(
-                    ((",\n" if i else "\n") + json.dumps(rec.to_json(), indent=1, sort_keys=True)).encode()
-                )
-        parts.append(f'\n ],\n "format": {json.dumps("k3lab-manifest/2")}\n}}\n'.encode())
-        self.write_atomically(self.manifest, b"".join(parts))
+        """Rebuild ``MANIFEST.json`` from the records, streaming: at real scale the records add up to
+        tens of MB, and one is in memory at a time."""
+
+        def write(fh: BinaryIO) -> None:
+            fh.write(b'{\n "files": [')
+            sep = b"\n"
+            for _, rec in self._each_record():
+                if rec is not None:
+                    fh.write(sep + json.dumps(rec.to_json(), indent=1, sort_keys=True).encode())
+                    sep = b",\n"
+            fh.write(f'\n ],\n "format": {json.dumps(FORMAT)}\n}}\n'.encode())
+
+        self.write_atomically(self.manifest, write)
         return self.manifest
 
     def read_manifest(self, path: Path | None = None) -> list[Record]:
@@ -427,9 +432,10 @@ def _is_regular_file(path: Path) -> bool:
 
 
 def _remove_own_partial(tmp: Path) -> None:
-    """A partial of this very name (this pid, an earlier killed process's) is k3lab's leftover."""
+    """A partial of this very name (this pid's, or an earlier killed process's of the same pid) is
+    k3lab's own; anything else there (a symlink) is left, and creating the partial then fails."""
     if _is_regular_file(tmp):
-        tmp.unlink()
+        tmp.unlink(missing_ok=True)
 
 
 def _disk_full(e: BaseException, path: Path) -> BaseException:

@@ -333,6 +333,9 @@ def _run_pool(task: Task, todo: list[int], jobs: int, overall: Any, results: lis
     finally:
         if stopping:
             _stop_workers(pool)
+            # a worker whose cleanup outlasted the grace was killed with its .partial left; this run
+            # holds the folder's lock, so every .partial there is its own
+            OutputFolder(task.out_dir).remove_partials()
         pool.shutdown(wait=True, cancel_futures=True)
         q.close()
         q.join_thread()

@@ -1,0 +1,92 @@
+"""The stream engine's promises beyond its bytes: each stream asks for its next piece before it reads
+the current one (so a real shard is read from disk while the current piece is repacked and
+hashed), and a process that converts no MXFP4 tensor never imports numba."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import namedtuple
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from k3lab.formats import mxfp4
+from k3lab.pipeline.streams import GENERIC, TensorJob
+
+Src = namedtuple("Src", "name dtype shape nbytes")
+
+
+class Recorder:
+    """A reader of arrays in memory that logs every read and every read-ahead hint, in order."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]):
+        self.arrays, self.log = arrays, []
+
+    def __call__(self, name: str, row_start: int = 0, row_stop: int | None = None) -> np.ndarray:
+        self.log.append(("read", name, row_start))
+        return self.arrays[name][row_start:row_stop]
+
+    def ahead(self, name: str, row_start: int = 0, row_stop: int | None = None) -> None:
+        self.log.append(("ahead", name, row_start))
+
+
+def _hinted_before_read(log: list[tuple[str, str, int]]) -> None:
+    """Every read but the first was hinted before the previous piece was read."""
+    reads = [(n, r) for op, n, r in log if op == "read"]
+    for prev, cur in zip(reads, reads[1:]):
+        hint = log.index(("ahead", *cur))
+        assert hint < log.index(("read", *prev)), (cur, log)
+
+
+def test_the_mxfp4_stream_hints_the_next_expert_and_gives_the_repack() -> None:
+    rng = np.random.default_rng(3)
+    arrays, sources = {}, []
+    for e in range(4):
+        arrays[f"e{e}.packed"] = rng.integers(0, 256, (8, 16), dtype=np.uint8)
+        arrays[f"e{e}.scale"] = rng.integers(110, 130, (8, 1), dtype=np.uint8)
+        sources += [Src(f"e{e}.packed", "U8", (8, 16), 128), Src(f"e{e}.scale", "U8", (8, 1), 8)]
+    read = Recorder(arrays)
+    job = TensorJob(
+        GENERIC["mxfp4_stack"], sources, GGMLQuantizationType.MXFP4, (4, 8, 32), 4 * 8 * 17, None, read
+    )
+    out = [bytes(p) for p in job.pieces()]
+    assert out == [mxfp4.repack(arrays[f"e{e}.packed"], arrays[f"e{e}.scale"]).tobytes() for e in range(4)]
+    _hinted_before_read([x for x in read.log if ".packed" in x[1]])
+    assert {n for op, n, _ in read.log if op == "ahead"} == {s.name for s in sources[2:]}
+
+
+def test_the_rows_and_each_streams_hint_their_next_piece() -> None:
+    big = np.arange(3 * (1 << 22), dtype=np.uint16).reshape(-1, 1 << 12)  # 24 MiB: two 16 MiB slabs
+    read = Recorder({"w": big})
+    src = Src("w", "BF16", big.shape, big.nbytes)
+    job = TensorJob(GENERIC["copy"], [src], GGMLQuantizationType.BF16, big.shape, big.nbytes, None, read)
+    assert b"".join(bytes(p) for p in job.pieces()) == big.tobytes()
+    assert sum(op == "read" for op, _, _ in read.log) == 2
+    _hinted_before_read(read.log)
+
+    experts = {f"x{e}": np.full((4, 4), e, dtype=np.uint16) for e in range(3)}
+    read = Recorder(experts)
+    sources = [Src(n, "BF16", (4, 4), 32) for n in experts]
+    job = TensorJob(GENERIC["stack"], sources, GGMLQuantizationType.BF16, (3, 4, 4), 96, None, read)
+    assert b"".join(bytes(p) for p in job.pieces()) == np.stack(list(experts.values())).tobytes()
+    _hinted_before_read(read.log)
+
+
+def test_a_task_on_a_file_without_mxfp4_never_imports_numba(tiny_src: Path, tmp_path: Path) -> None:
+    """numba costs ~70 MB and a few hundred ms a process: only the repack and the vocabulary (planning,
+    file 1) load it. A task on a saved plan converting the output tensors never does."""
+    from k3lab.cli import main
+
+    assert main(["plan", "--meta", str(tiny_src), "--out-dir", str(tmp_path)]) == 0
+    code = (
+        "import sys; from k3lab.cli import main; "
+        f"code = main(['convert', '--meta', {str(tiny_src)!r}, '--out-dir', {str(tmp_path)!r}, "
+        "'--shards', '9', '--quiet']); print(code, 'numba' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split()[-2:] == ["0", "False"], out
+    code_moe = code.replace("'--shards', '9'", "'--shards', '3'")  # a MoE layer: repacked, so loaded
+    out = subprocess.run([sys.executable, "-c", code_moe], capture_output=True, text=True, check=True).stdout
+    assert out.split()[-2:] == ["0", "True"], out
