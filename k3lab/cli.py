@@ -61,7 +61,7 @@ def _source_spec(args: argparse.Namespace, out_dir: str | Path | None = None) ->
     repo = getattr(args, "repo", None)
     if repo and args.src:
         raise K3LabError("--repo and --src name two sources: give one")
-    for flag in ("scratch", "revision", "keep_source"):
+    for flag in ("scratch", "revision", "keep_source", "retry_budget"):
         if getattr(args, flag, None) and not repo:
             raise K3LabError(f"--{flag.replace('_', '-')} is for streaming from the Hub: it needs --repo")
     if repo:
@@ -74,6 +74,7 @@ def _source_spec(args: argparse.Namespace, out_dir: str | Path | None = None) ->
             endpoint=os.environ.get("HF_ENDPOINT"),
             token=os.environ.get("HF_TOKEN"),
             keep_source=args.keep_source,
+            retry_budget=getattr(args, "retry_budget", None),
             meta_files=model.meta_files,
             optional_meta=model.optional_meta,
         )
@@ -258,6 +259,13 @@ def _source_flags(p: argparse.ArgumentParser, meta_required: bool = True) -> Non
         "--scratch", default=None, help="where --repo downloads shards (default: OUT_DIR/.k3lab/scratch)"
     )
     p.add_argument("--keep-source", action="store_true", help="keep downloaded shards in --scratch")
+    p.add_argument(
+        "--retry-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long the Hub may keep failing (in a row, per file) before a file is given up (default 900)",
+    )
 
 
 def _common_source(p: argparse.ArgumentParser) -> None:
@@ -321,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--jobs", type=int, default=1, help="shards converted in parallel processes")
     c.add_argument("--force", action="store_true", help="redo files that are already complete")
     c.add_argument("--name", default=None, help="output basename (default: the model's, Kimi-K3)")
-    c.add_argument("--quiet", action="store_true", help="no progress bars")
+    c.add_argument("--quiet", action="store_true", help="errors and one summary line only")
     c.add_argument("--scheduler", help="fan the shards out on this Dask scheduler instead of local processes")
     c.set_defaults(func=_convert)
 
@@ -405,8 +413,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop_on_sigterm()
     try:
         return int(args.func(args) or 0)
-    except K3LabError as e:
-        print(f"k3lab: error: {e}", file=sys.stderr)
+    except K3LabError as e:  # one line (a run with several failed files: one line each)
+        for line in str(e).splitlines() or [type(e).__name__]:
+            print(f"k3lab: error: {line}", file=sys.stderr)
         return e.exit_code
     except OSError as e:  # the machine's, not the input's: a full disk, a missing folder, a permission
         print(f"k3lab: error: {e}", file=sys.stderr)

@@ -107,7 +107,8 @@ def test_streaming_with_faults_gives_the_local_bytes(tiny_src: Path, tiny_out: P
 def test_keep_source_and_a_rerun_downloads_nothing(tiny_src: Path, tmp_path: Path) -> None:
     with HubServer(tiny_src) as hub:
         assert _convert(hub, tmp_path, "--shards", "1-3", "--keep-source").returncode == 0
-        assert len(list((tmp_path / "scratch").glob("*.safetensors"))) == 3
+        kept = list((tmp_path / "scratch").glob("k3lab-dl-*/*.safetensors"))
+        assert len(kept) == 3 and len(list((tmp_path / "scratch").glob("k3lab-dl-*.kept"))) == 3
         before = len(hub.requests)
         again = _convert(hub, tmp_path, "--shards", "1-3")
         assert again.returncode == 0
@@ -210,9 +211,13 @@ def test_every_dask_worker_streams_its_own_shards_from_the_hub(
         for f in sorted(tiny_out.glob("*.gguf")):
             assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
         streamed = json.loads((tmp_path / "out" / "MANIFEST.json").read_text())
-        for rec in streamed["files"]:  # the Hub also gives each source file's SHA-256 (its ETag)
-            assert len(rec["source"].pop("etag")) == 64
-        assert streamed == json.loads((tiny_out / "MANIFEST.json").read_text())
+        for rec in streamed["files"]:  # the Hub also gives each source file's SHA-256
+            assert len(rec["source"].pop("sha256")) == 64
+            rec.pop("plan_digest")  # which covers that SHA-256
+        local = json.loads((tiny_out / "MANIFEST.json").read_text())
+        for rec in local["files"]:
+            rec.pop("plan_digest")
+        assert streamed == local
         assert not list((tmp_path / "scratch").rglob("*.safetensors*"))
         assert any(r[0] == "GET" and ".safetensors" in r[1] for r in hub.requests)
     finally:
@@ -281,16 +286,12 @@ def test_every_command_reads_the_hub_through_the_one_source(
         assert (tmp_path / "v" / "mmproj.gguf").read_bytes() == (
             tmp_path / "local" / "mmproj.gguf"
         ).read_bytes()
-        # a tampered set fails against the Hub too, naming the tensor
-        served = tmp_path / "served"
-        shutil.copytree(tiny_src, served)
-    with HubServer(served) as hub:
+        # a tampered set fails against the Hub too, naming the tensor: a new commit changes a shard
         name = "language_model.model.layers.2.input_layernorm.weight"
-        index = json.loads((served / "model.safetensors.index.json").read_text())
-        shard = served / index["weight_map"][name]
-        raw = bytearray(shard.read_bytes())
+        index = json.loads((tiny_src / "model.safetensors.index.json").read_text())
+        raw = bytearray(hub.file(index["weight_map"][name]))
         raw[-3] ^= 0xFF  # the last tensor's last bytes
-        shard.write_bytes(bytes(raw))
+        hub.commit({index["weight_map"][name]: bytes(raw)})
         bad = _k3lab(
             hub,
             tmp_path / "b",

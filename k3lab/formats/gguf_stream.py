@@ -4,7 +4,9 @@ data one tensor (or one piece of a tensor) at a time, hashed as it goes. Nothing
 gguf-py's ``add_tensor`` keeps every tensor in memory until the write; here tensor infos are
 declared first and the data is streamed in declared order, so memory stays bounded by the
 largest piece a caller hands over. The file is written as ``NAME.partial``, fsynced, then
-renamed: a final path only ever holds a complete file, and a failure leaves nothing there.
+renamed: a final path only ever holds a complete file, and a failure leaves nothing there. A
+``before_commit`` callback may still refuse the finished file (the writer's run has stopped): it is
+deleted, never renamed.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import mmap
 import os
 import shutil
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,8 +107,16 @@ def _claim(partial: Path) -> None:
 class GGUFStream:
     """Write one GGUF file: ``with GGUFStream(path, arch, kvs, infos) as g: g.write(name, pieces)``."""
 
-    def __init__(self, path: str | os.PathLike, arch: str, kvs: Sequence[KV], infos: Sequence[TensorInfo]):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        arch: str,
+        kvs: Sequence[KV],
+        infos: Sequence[TensorInfo],
+        before_commit: Callable[[], None] | None = None,
+    ):
         self.path = Path(path)
+        self.before_commit = before_commit  # may refuse the finished file: then it is deleted
         self.partial = self.path.with_name(self.path.name + ".partial")
         self.infos = list(infos)
         self._next = 0
@@ -271,6 +281,12 @@ class GGUFStream:
                 error = error or e
             self._writer.fout = None
         if exc_type is None and error is None:
+            try:
+                if self.before_commit is not None:
+                    self.before_commit()
+            except BaseException:
+                self.partial.unlink(missing_ok=True)
+                raise
             os.replace(self.partial, self.path)
             fsync_dir(self.path.parent)
             return

@@ -24,19 +24,18 @@ from k3lab.formats.gguf_stream import KV, GGUFStream, split_kvs
 from k3lab.formats.safetensors import NUMPY_DTYPE, TensorEntry
 from k3lab.pipeline.folder import OutputFolder, header_sha256
 from k3lab.pipeline.plan import Plan, PlanError, PlannedTensor
+from k3lab.pipeline.progress import NO_REPORT, TaskReport
 from k3lab.pipeline.record import Record
 from k3lab.pipeline.sources import Source
-
-Progress = Callable[[int], None]
 
 
 class Reader:
     """Source tensors by name, in bounded pieces: each a read-only view of the shard's mapped pages
     (no copy; the mapping goes when the piece's last user drops it: the stream, or the writer once it
-    has hashed and written it), reported to ``progress``."""
+    has hashed and written it), reported to ``report`` (which stops the task once its run stopped)."""
 
-    def __init__(self, source: Source, entries: dict[str, TensorEntry], progress: Progress | None = None):
-        self.source, self.entries, self.progress = source, entries, progress
+    def __init__(self, source: Source, entries: dict[str, TensorEntry], report: TaskReport = NO_REPORT):
+        self.source, self.entries, self.report = source, entries, report
 
     def _range(self, name: str, row_start: int, row_stop: int | None) -> tuple[TensorEntry, int, int, int]:
         e = self.entries[name]
@@ -53,8 +52,7 @@ class Reader:
     def __call__(self, name: str, row_start: int = 0, row_stop: int | None = None) -> np.ndarray:
         e, stop, offset, n = self._range(name, row_start, row_stop)
         buf = self.source.map(e, offset, n)
-        if self.progress:
-            self.progress(n)
+        self.report.read(n)
         shape = (stop - row_start, *e.shape[1:]) if e.shape else ()
         return buf.view(NUMPY_DTYPE[e.dtype]).reshape(shape)
 
@@ -71,11 +69,13 @@ def write_tensors(
     tensors: list[PlannedTensor],
     reader: Reader,
     source_files: dict[str, str],
+    before_commit: Callable[[], None] | None = None,
 ) -> tuple[list[dict[str, Any]], int]:
     """Stream planned tensors into one GGUF file; returns their manifest entries and the data start.
-    ``source_files`` names the file each source tensor came from (for the record)."""
+    ``source_files`` names the file each source tensor came from (for the record); ``before_commit``
+    may still refuse the finished file (its run stopped): it is then removed, never renamed."""
     records = []
-    with GGUFStream(path, arch, kvs, [t.info for t in tensors]) as g:
+    with GGUFStream(path, arch, kvs, [t.info for t in tensors], before_commit) as g:
         for pt in tensors:
             offset = g.data_offset_next()
             sha = g.write(pt.name, tensor_pieces(pt, reader))
@@ -132,27 +132,37 @@ def convert_file(
     source: Source,
     out_dir: str | Path,
     force: bool = False,
-    progress: Progress | None = None,
+    report: TaskReport = NO_REPORT,
+    before_commit: Callable[[], None] | None = None,
 ) -> FileResult:
-    """Write output file ``number`` (1-based) unless a complete, matching one is already there."""
+    """Write output file ``number`` (1-based) unless a complete, matching one is already there.
+    ``before_commit`` runs before the finished file is renamed into place and before its record is
+    written (a task checks there that its run still holds the folder)."""
     folder = OutputFolder(out_dir)
     pf = plan.file(number)
     t0 = time.perf_counter()
     if not force and folder.is_complete(number, pf.filename, pf.digest):
-        if progress:
-            progress(pf.source_bytes)
+        report.read(pf.source_bytes)
         return FileResult(number, pf.filename, True, 0.0, pf.nbytes)
     kvs = file_kvs(plan, number, folder)
     path = folder.output(pf.filename)
-    source.acquire(pf.source_file)
+    source.acquire(pf.source_file, report)
     try:
         entries = shard_entries(plan, number, source)
-        reader = Reader(source, entries, progress)
+        reader = Reader(source, entries, report)
         records, data_start = write_tensors(
-            path, plan.model.name, kvs, pf.tensors, reader, dict.fromkeys(entries, pf.source_file)
+            path,
+            plan.model.name,
+            kvs,
+            pf.tensors,
+            reader,
+            dict.fromkeys(entries, pf.source_file),
+            before_commit,
         )
     finally:
         source.release(pf.source_file)
+    if before_commit is not None:
+        before_commit()  # the file is there, but no record says it is complete: a rerun redoes it
     folder.write_record(
         Record(
             kind="text",

@@ -1,68 +1,324 @@
-"""The Hugging Face Hub as a source: shards downloaded one at a time (plus one prefetched).
+"""The Hugging Face Hub as a source: one pinned commit, shards downloaded one at a time (plus one
+prefetched), each checked against its SHA-256 before it is converted.
 
-``HubSource`` is a ``sources.Source``. The metadata files (config, index, tokenizer) are fetched
-into ``meta`` when missing; the safetensors headers of every shard are read with ranged GETs (a
-few MB for the whole model), so the plan needs no shard on disk, and a shard's ETag (the SHA-256
-of its contents) fingerprints it for the plan. A conversion task then ``acquire``s its shard:
-huggingface_hub downloads it into ``scratch`` (resumable; the token and endpoint come with the
-``SourceSpec``), and ``release`` deletes it. The runner's one loop does this in one process, in
-``--jobs`` processes, or on every Dask worker alike. Transient failures (connection drop, timeout,
-5xx) are retried with backoff and the download resumes where it stopped; 401/403/404 are one clear
-error naming repo and file.
+``HubSource`` is a ``sources.Source``.
+
+- **One commit.** ``resolve`` asks the Hub once (``model_info(files_metadata=True)``) for the commit
+  ``--revision`` names (a branch, a tag or a commit) and every file's size, git blob id and LFS
+  SHA-256. The plan records the commit (``pin``) and every task reads at that commit, so a set never
+  mixes revisions; each shard's SHA-256 is in the plan and in its output file's digest, so a shard
+  changed on the Hub redoes exactly its file.
+- **Metadata** (config, index, tokenizer) is fetched into ``meta`` at that commit, where missing or
+  where a file k3lab fetched earlier is not the commit's (``meta/.k3lab-fetched.json`` lists what it
+  fetched; a file it did not fetch is never replaced: one line instead).
+- **Headers** are read with ranged GETs at the commit (a few MB for the whole model), so the plan
+  needs no shard on disk.
+- **Shards.** A task ``acquire``s its shard: huggingface_hub downloads it (resuming by itself) into
+  a download slot k3lab owns, ``SCRATCH/k3lab-dl-KEY/`` with its lock ``SCRATCH/k3lab-dl-KEY.lock``
+  (``flock``ed by the process using it, released by the kernel however that process ends); the
+  file's SHA-256 is checked against the Hub's; ``release`` deletes the slot. A slot whose lock is free
+  is a killed task's leftover: the next task to acquire a shard in that scratch removes it. Disk
+  budget: two shards per process (the one converting, the one prefetched).
+- **Outages.** Transient failures (refused or reset connections, timeouts, 408/429/5xx, "the Hub
+  cannot be reached") are retried with backoff (``Retry-After`` honoured) until the Hub has failed
+  for ``retry_budget`` seconds in a row (default ``RETRY_BUDGET``; bytes received start the clock
+  again): then ``HubUnreachable``, exit 1. 401/403/404 are ``HubError``, one line, exit 2.
+
+Nothing is printed here: download bytes, retries and huggingface_hub's own "trying to resume"
+warnings go to the task's ``TaskReport`` and so into the run's one progress bar.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import random
+import re
 import shutil
+import stat
 import struct
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3lab.errors import K3LabError
+from k3lab.errors import K3LabError, MachineError
+from k3lab.formats.files import read_chunks
 from k3lab.formats.safetensors import MAX_HEADER
+from k3lab.pipeline.progress import NO_REPORT, Cancelled, TaskReport
 from k3lab.pipeline.sources import Source, SourceError, SourceSpec
 
-PREFETCH_AHEAD = 1  # shards downloaded ahead of the one converting: at most two on disk per worker
+PREFETCH_AHEAD = 1  # shards downloaded ahead of the one converting: at most two on disk per process
 HEADER_PROBE = 1 << 20  # the first ranged read; most headers fit in it
+RETRY_BUDGET = 900.0  # seconds the Hub may keep failing (in a row) before a file is given up
+MAX_DELAY = 30.0  # the longest pause between two attempts
+SLOT_PREFIX = "k3lab-dl-"
+_SLOT_NAME = re.compile(rf"{SLOT_PREFIX}([0-9a-f]{{32}})(\.lock|\.kept)?")
+FETCHED = ".k3lab-fetched.json"  # in meta: the metadata files k3lab fetched, and their hashes
 
 
 class HubError(K3LabError):
-    """The Hub refused (401/403/404) or kept failing; the message names repo and file."""
+    """The Hub refused (401/403/404), or served other bytes than it lists: one line, exit 2."""
 
 
-def _is_fatal(e: Exception) -> bool:
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        HfHubHTTPError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+class HubUnreachable(MachineError):
+    """The Hub kept failing for the whole retry budget: one line, exit 1; run again to resume."""
 
-    if isinstance(e, (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError)):
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """A file of the pinned commit, as the Hub lists it."""
+
+    name: str
+    size: int
+    sha256: str | None  # the LFS oid (every safetensors shard has one)
+    blob_id: str | None  # the git blob id (small files kept in git)
+
+    @property
+    def oid(self) -> str:
+        return self.sha256 or f"git-{self.blob_id}"
+
+    def matches(self, path: Path) -> bool:
+        """Whether the file at ``path`` has exactly these bytes (size, then SHA-256 or git blob id)."""
+        try:
+            if path.is_symlink() or path.stat().st_size != self.size:
+                return False
+        except OSError:
+            return False
+        if self.sha256:
+            h = hashlib.sha256()
+        else:
+            h = hashlib.sha1(b"blob %d\0" % self.size)
+        for chunk in read_chunks(path, self.size, "downloaded file"):
+            h.update(chunk)
+        return h.hexdigest() == (self.sha256 or self.blob_id)
+
+
+# --- failures: which to ride out -----------------------------------------------------------------------
+
+
+def _status(e: BaseException) -> int | None:
+    return getattr(getattr(e, "response", None), "status_code", None)
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether trying again later may succeed: the network or the Hub's load, not the request."""
+    import httpx2
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    if isinstance(e, LocalEntryNotFoundError):  # "cannot reach the Hub and no local copy"
         return True
-    status = getattr(getattr(e, "response", None), "status_code", None)
-    return isinstance(e, HfHubHTTPError) and status in (400, 401, 403, 404)
+    status = _status(e)
+    if isinstance(e, HfHubHTTPError) and status is not None:
+        return status in (408, 429) or status >= 500
+    if isinstance(e, (httpx2.TransportError, ConnectionError, TimeoutError)):
+        return True
+    return isinstance(e, OSError) and "Consistency check failed" in str(e)  # a transfer cut short
 
 
-def with_retries(what: str, fn: Any, attempts: int = 8, base_delay: float = 0.25) -> Any:
-    """fn() retried with exponential backoff on transient errors; fatal ones become one HubError line."""
-    for attempt in range(attempts):
+def _reason(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    status = _status(e)
+    reason = text[0] if text else type(e).__name__
+    return f"{status} {reason}" if status and str(status) not in reason else reason
+
+
+def _retry_after(e: BaseException) -> float | None:
+    response = getattr(e, "response", None)
+    value = getattr(response, "headers", {}).get("Retry-After") if response is not None else None
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def with_retries(
+    what: str,
+    fn: Any,
+    budget: float = RETRY_BUDGET,
+    report: TaskReport = NO_REPORT,
+    base_delay: float = 0.5,
+) -> Any:
+    """fn() until it succeeds, riding out transient failures for up to ``budget`` seconds in a row
+    (the clock starts again whenever the report shows bytes received); refusals are one line."""
+    first_failure: float | None = None
+    attempt, seen = 0, report.down_bytes
+    while True:
         try:
             return fn()
+        except (Cancelled, K3LabError):
+            raise
         except Exception as e:
-            if _is_fatal(e):
-                status = getattr(getattr(e, "response", None), "status_code", "")
-                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise HubError(f"{what}: {status} {reason}".replace("  ", " ")) from None
-            if attempt + 1 == attempts:
-                raise HubError(
-                    f"{what}: still failing after {attempts} attempts ({type(e).__name__}: {e})"
+            if not is_transient(e):
+                raise HubError(f"{what}: {_reason(e)}") from None
+            now = time.monotonic()
+            if report.down_bytes != seen:  # it got further this time: a new run of failures
+                first_failure, attempt, seen = None, 0, report.down_bytes
+            first_failure = first_failure if first_failure is not None else now
+            if now - first_failure >= budget:
+                raise HubUnreachable(
+                    f"{what}: the Hub kept failing for {now - first_failure:.0f} s (retry budget "
+                    f"{budget:.0f} s; last: {_reason(e)}); finished files are kept: run the command again"
                 ) from None
-            time.sleep(base_delay * 2**attempt)
-    raise AssertionError("unreachable")  # pragma: no cover
+            delay = min(MAX_DELAY, base_delay * 2**attempt) * random.uniform(0.8, 1.2)
+            delay = max(delay, min(_retry_after(e) or 0.0, MAX_DELAY * 4))
+            delay = min(delay, max(0.1, budget - (now - first_failure)))
+            report.retried(f"{what}: {_reason(e)}")
+            attempt += 1
+            end = time.monotonic() + delay
+            while (left := end - time.monotonic()) > 0:
+                report.check()
+                time.sleep(min(left, 0.25))
+
+
+# --- huggingface_hub's own output, folded into the task's report ------------------------------------
+
+_current = threading.local()  # the report of the download running in this thread
+
+
+class _Folded(logging.Filter):
+    """huggingface_hub's download warnings ("Error while downloading ... Trying to resume") become
+    retries in the report of the download that raised them, not lines on the terminal."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        report = getattr(_current, "report", None)
+        if report is None or record.levelno > logging.WARNING:
+            return True
+        if record.levelno == logging.WARNING:
+            report.retried(record.getMessage().splitlines()[0])
+        return False
+
+
+_FOLDED = _Folded()
+
+
+def _fold_hf_logging() -> None:
+    for name in ("huggingface_hub.file_download", "huggingface_hub.utils._http"):
+        logger = logging.getLogger(name)
+        if _FOLDED not in logger.filters:
+            logger.addFilter(_FOLDED)
+
+
+def _bar_class(report: TaskReport) -> type:
+    """A stand-in for huggingface_hub's tqdm bar: draws nothing, hands each chunk's bytes to
+    ``report`` (which also raises ``Cancelled`` there once the run stopped: the download stops)."""
+
+    class Bar:
+        def __init__(self, *args: Any, total: int | None = None, initial: int = 0, **kwargs: Any):
+            self.total, self.n = total, initial
+
+        def update(self, n: int = 1) -> None:
+            self.n += n
+            report.downloaded(n)
+
+        def close(self) -> None:
+            return None
+
+        def __enter__(self) -> Bar:
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            return None
+
+    return Bar
+
+
+# --- download slots ----------------------------------------------------------------------------------
+
+
+class _Slot:
+    """``SCRATCH/k3lab-dl-KEY/`` and its lock file ``SCRATCH/k3lab-dl-KEY.lock``: one download, held
+    (``flock``) by the process using it. Only k3lab's own names, never through a symlink."""
+
+    def __init__(self, scratch: Path, key: str):
+        self.folder = scratch / f"{SLOT_PREFIX}{key}"
+        self.lock_path = scratch / f"{SLOT_PREFIX}{key}.lock"
+        self.kept_path = scratch / f"{SLOT_PREFIX}{key}.kept"
+        self.fd: int | None = None
+
+    def take(self, block: bool) -> bool:
+        """Hold the slot's lock (waiting for it when ``block``); False if another process holds it."""
+        while True:
+            try:
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise SourceError(
+                        f"{self.lock_path}: is a symlink; k3lab never writes through one"
+                    ) from None
+                raise
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
+            except OSError as e:
+                os.close(fd)
+                if e.errno in (errno.EAGAIN, errno.EACCES):
+                    return False
+                raise
+            try:  # the lock file may have been removed (and made anew) while we waited: lock that one
+                if os.stat(self.lock_path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                    self.fd = fd
+                    return True
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+
+    def remove(self) -> None:
+        """Delete the download and the lock (this process holds it)."""
+        _remove_tree(self.folder)
+        self.kept_path.unlink(missing_ok=True)
+        self.lock_path.unlink(missing_ok=True)
+        self.release()
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _remove_tree(path: Path) -> None:
+    """A slot folder k3lab made: removed if it is a real folder (a symlink is only unlinked)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path, ignore_errors=True)
+    elif stat.S_ISLNK(st.st_mode):
+        path.unlink(missing_ok=True)
+
+
+def sweep_scratch(scratch: Path) -> list[str]:
+    """Remove the download slots of tasks that died (their lock is free), except kept ones; only
+    k3lab's own names. Returns the keys removed."""
+    try:
+        names = os.listdir(scratch)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    keys = {m[1] for n in names if (m := _SLOT_NAME.fullmatch(n))}
+    removed = []
+    for key in sorted(keys):
+        slot = _Slot(scratch, key)
+        if not slot.take(block=False):
+            continue  # in use by a live process
+        try:
+            if slot.kept_path.exists():
+                continue  # --keep-source
+            slot.remove()
+            removed.append(key)
+        finally:
+            slot.release()
+    return removed
+
+
+# --- the source ---------------------------------------------------------------------------------------
 
 
 def hub_spec(
@@ -75,12 +331,17 @@ def hub_spec(
     keep_source: bool = False,
     meta_files: tuple[str, ...] = (),
     optional_meta: tuple[str, ...] = (),
+    retry_budget: float | None = None,
 ) -> SourceSpec:
     """The spec of a Hub repo (``token`` is never written anywhere, nor shown)."""
-    options = (("revision", revision), ("scratch", str(scratch) if scratch else None), ("endpoint", endpoint))
-    return SourceSpec(
-        "hub", str(meta_dir), repo, (*options, ("keep_source", keep_source)), token, meta_files, optional_meta
+    options = (
+        ("revision", revision),
+        ("scratch", str(scratch) if scratch else None),
+        ("endpoint", endpoint),
+        ("keep_source", keep_source),
+        ("retry_budget", retry_budget),
     )
+    return SourceSpec("hub", str(meta_dir), repo, options, token, meta_files, optional_meta)
 
 
 def open_source(spec: SourceSpec) -> Source:
@@ -88,118 +349,105 @@ def open_source(spec: SourceSpec) -> Source:
 
 
 class HubSource(Source):
-    """A checkpoint on the Hub: headers by ranged reads, a shard's bytes once acquired into scratch."""
+    """A checkpoint on the Hub at one commit: headers by ranged reads, a shard's bytes once acquired."""
 
     def __init__(self, spec: SourceSpec):
         super().__init__()
-        self.repo, self.revision, self.token = spec.location, spec.option("revision") or "main", spec.token
+        self.repo, self.token = spec.location, spec.token
+        self.requested = spec.option("revision") or "main"
+        self.commit: str | None = spec.option("commit")  # a pinned spec's (a task's)
         self.endpoint, self.keep = spec.option("endpoint"), bool(spec.option("keep_source"))
+        self.budget = float(spec.option("retry_budget") or RETRY_BUDGET)
         self.meta_dir = Path(spec.meta_dir)
         self.scratch = Path(spec.option("scratch") or self.meta_dir / "scratch")
         self.meta_files, self.optional_meta = spec.meta_files, spec.optional_meta
+        self._remote: dict[str, RemoteFile] | None = None
+        self._slots: dict[str, _Slot] = {}  # file -> its download, held by this process
         self._pending: dict[str, Future] = {}
         self._pool: ThreadPoolExecutor | None = None
-        self._downloaded: set[str] = set()  # what this source put in scratch: all it may delete
+        self._closing = threading.Event()
+        self._state = threading.Lock()
+        _fold_hf_logging()
 
-    def fetch_meta(self) -> None:
-        """Download the metadata files into ``meta`` where missing (the planner's first step)."""
-        self.meta_dir.mkdir(parents=True, exist_ok=True)
-        for name in self.meta_files + self.optional_meta:
-            if not (self.meta_dir / name).exists():
-                try:
-                    self._download(name, self.meta_dir)
-                except HubError:
-                    if name not in self.optional_meta:
-                        raise
+    @property
+    def revision(self) -> str:
+        return self.commit or self.requested
 
     def where(self, file: str) -> str:
-        return f"{self.repo}/{file}"
+        return f"{self.repo}@{self.revision[:12]}: {file}"
 
     def local_path(self, file: str) -> Path:
-        return self.scratch / file
+        slot = self._slots.get(file)
+        return (slot.folder if slot else self.scratch) / file
 
-    # --- fetching ---
-    def _download(self, filename: str, local_dir: Path) -> Path:
-        from huggingface_hub import hf_hub_download
+    def readable(self, file: str) -> bool:
+        return file in self._slots  # only what this source downloaded and checked
 
-        return Path(
-            with_retries(
-                f"{self.repo}@{self.revision}: {filename}",
-                lambda: hf_hub_download(
-                    self.repo,
-                    filename,
-                    revision=self.revision,
-                    local_dir=local_dir,
-                    token=self.token,
-                    endpoint=self.endpoint,
-                ),
+    # --- the commit ---
+    def resolve(self) -> dict[str, RemoteFile]:
+        """The commit and its files, from one call (every later read is at that commit)."""
+        if self._remote is None:
+            from huggingface_hub import HfApi
+
+            api = HfApi(endpoint=self.endpoint, token=self.token)
+            info = with_retries(
+                f"{self.repo}@{self.revision}",
+                lambda: api.model_info(self.repo, revision=self.revision, files_metadata=True),
+                self.budget,
             )
-        )
+            if not info.sha or (self.commit and info.sha != self.commit):
+                raise HubError(f"{self.repo}@{self.revision}: the Hub answered for commit {info.sha}")
+            files = {}
+            for s in info.siblings or []:
+                sha = s.lfs.sha256 if s.lfs is not None else None
+                files[s.rfilename] = RemoteFile(s.rfilename, int(s.size or 0), sha, s.blob_id)
+            self.commit, self._remote = info.sha, files
+        return self._remote
 
-    def _download_shard(self, file: str) -> None:
-        self._downloaded.add(file)  # before: a download cut half way is ours to remove too
-        self._download(file, self.scratch)
+    def pin(self) -> dict[str, Any]:
+        """The spec options that fix what was read: the commit."""
+        self.resolve()
+        return {"commit": self.commit}
 
-    def acquire(self, file: str) -> None:
-        """Download ``file`` into scratch (resuming a partial download), or wait for its prefetch."""
-        pending = self._pending.pop(file, None)
-        if pending is not None:
-            pending.result()
-        elif not self.local_path(file).exists():
-            self.scratch.mkdir(parents=True, exist_ok=True)
-            self._download_shard(file)
+    def remote(self, file: str) -> RemoteFile:
+        found = self.resolve().get(file)
+        if found is None:
+            raise HubError(f"{self.where(file)}: 404 not in the repo at this commit")
+        return found
 
-    def prefetch(self, file: str) -> None:
-        if file in self._pending or len(self._pending) >= PREFETCH_AHEAD or self.local_path(file).exists():
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="k3lab-prefetch")
-        self.scratch.mkdir(parents=True, exist_ok=True)
-        self._pending[file] = self._pool.submit(self._download_shard, file)
+    # --- metadata ---
+    def fetch_meta(self) -> None:
+        """Make ``meta`` hold the commit's metadata files (the planner's first step)."""
+        self.resolve()
+        self.meta_dir.mkdir(parents=True, exist_ok=True)
+        fetched_path = self.meta_dir / FETCHED
+        fetched = _read_fetched(fetched_path)
+        for name in self.meta_files + self.optional_meta:
+            remote = self._remote.get(name) if self._remote else None
+            local = self.meta_dir / name
+            if remote is None:
+                if name in self.optional_meta:
+                    continue
+                raise HubError(f"{self.where(name)}: 404 not in the repo at this commit")
+            if remote.matches(local):
+                continue
+            if (local.exists() or local.is_symlink()) and fetched.get(name) != _local_oid(local, remote):
+                raise HubError(
+                    f"{local}: is not {self.where(name)} and k3lab did not fetch it; move it away or "
+                    "give another --meta (k3lab never replaces a file it did not make)"
+                )
+            slot = self._fetch(name, NO_REPORT)
+            try:
+                _install(slot.folder / name, local)
+            finally:
+                slot.remove()
+            fetched[name] = remote.oid
+            _write_fetched(fetched_path, fetched)
 
-    def release(self, file: str) -> None:
-        """Delete a converted shard from scratch (and huggingface_hub's bookkeeping of it): only a
-        file this source downloaded there, never one it found."""
-        super().release(file)
-        if self.keep or file not in self._downloaded:
-            return
-        self._downloaded.discard(file)
-        path = self.local_path(file)
-        if path.is_symlink() or not path.resolve().is_relative_to(self.scratch.resolve()):
-            return
-        path.unlink(missing_ok=True)
-        meta = self.scratch / ".cache" / "huggingface" / "download"
-        for leftover in (meta / (file + ".metadata"), meta / (file + ".lock")):
-            leftover.unlink(missing_ok=True)
-
-    def close(self) -> None:
-        """Cancel prefetches and delete what they and whole-tensor reads left (a run that stops early)."""
-        for file in list(self._acquired):
-            self.release(file)
-        for file, fut in list(self._pending.items()):
-            fut.cancel()
-            with contextlib.suppress(Exception):  # the download's own error is not this run's
-                fut.result()
-            self.release(file)
-        self._pending.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        shutil.rmtree(self.scratch / ".cache", ignore_errors=True)
-
+    # --- shards ---
     def shard_fingerprint(self, files: list[str]) -> dict[str, dict[str, Any]]:
-        """Size and ETag (the SHA-256 of an LFS file) of each shard, from HEAD requests in parallel."""
-        from huggingface_hub import get_hf_file_metadata, hf_hub_url
-
-        def one(f: str) -> tuple[str, dict[str, Any]]:
-            url = hf_hub_url(self.repo, f, revision=self.revision, endpoint=self.endpoint)
-            m = with_retries(
-                f"{self.repo}@{self.revision}: {f}", lambda: get_hf_file_metadata(url, token=self.token)
-            )
-            return f, {"size": m.size, "etag": m.etag}
-
-        with ThreadPoolExecutor(8) as pool:
-            return dict(pool.map(one, files))
+        """Size and SHA-256 of each shard at the pinned commit (from the one metadata call)."""
+        return {f: {"size": self.remote(f).size, "sha256": self.remote(f).oid} for f in files}
 
     def planned_shard(self, file: str) -> dict[str, Any]:
         size = sum(e.nbytes for e in self.header(file).values())
@@ -209,11 +457,117 @@ class HubSource(Source):
             **self.shard_fingerprint([file])[file],
         }
 
+    def acquire(self, file: str, report: TaskReport = NO_REPORT) -> None:
+        """Download ``file`` (or wait for its prefetch) and check its SHA-256, ready to map."""
+        with self._state:
+            if file in self._slots:
+                return
+            pending = self._pending.pop(file, None)
+        if pending is None:
+            slot = self._fetch(file, report)
+        else:
+            while True:  # the prefetch runs in another thread: hear a stop meanwhile
+                try:
+                    slot = pending.result(timeout=0.25)
+                    break
+                except FutureTimeout:
+                    report.check()
+        with self._state:
+            self._slots[file] = slot
+
+    def prefetch(self, file: str, report: TaskReport = NO_REPORT) -> None:
+        with self._state:
+            if file in self._pending or file in self._slots or len(self._pending) >= PREFETCH_AHEAD:
+                return
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="k3lab-prefetch")
+            self._pending[file] = self._pool.submit(self._fetch, file, report)
+
+    def _fetch(self, file: str, report: TaskReport) -> _Slot:
+        """Download ``file`` at the pinned commit into its slot and check its bytes; returns the slot,
+        held. A failure or a stop removes the slot: nothing half-downloaded stays behind."""
+        remote = self.remote(file)
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        sweep_scratch(self.scratch)
+        slot = _Slot(self.scratch, hashlib.sha256(f"{file}\0{remote.oid}".encode()).hexdigest()[:32])
+        slot.take(block=True)
+        path = slot.folder / file
+        try:
+            if slot.kept_path.exists() and remote.matches(path):
+                report.downloaded(remote.size)
+                return slot
+            slot.kept_path.unlink(missing_ok=True)
+            self._download(file, slot.folder, report)
+            if not remote.matches(path):
+                raise HubError(
+                    f"{self.where(file)}: the downloaded bytes are not the ones the Hub lists "
+                    f"(SHA-256 {remote.oid[:16]}..., {remote.size} bytes); the download was discarded"
+                )
+            if self.keep:
+                slot.kept_path.touch()
+            return slot
+        except BaseException:
+            slot.remove()
+            raise
+
+    def _download(self, file: str, folder: Path, report: TaskReport) -> None:
+        from huggingface_hub import hf_hub_download
+
+        stop = report.check
+
+        def one() -> None:
+            _current.report = report
+            try:
+                if self._closing.is_set():
+                    raise Cancelled(f"{file}: the source was closed")
+                stop()
+                hf_hub_download(
+                    self.repo,
+                    file,
+                    revision=self.commit,
+                    local_dir=folder,
+                    token=self.token,
+                    endpoint=self.endpoint,
+                    tqdm_class=_bar_class(_Closing(report, self._closing)),
+                )
+            finally:
+                _current.report = None
+
+        with_retries(self.where(file), one, self.budget, report)
+
+    def release(self, file: str) -> None:
+        """Done with ``file``: close it and delete its download (``--keep-source``: keep it)."""
+        super().release(file)
+        with self._state:
+            slot = self._slots.pop(file, None)
+        if slot is None:
+            return
+        if self.keep and slot.kept_path.exists():
+            slot.release()
+        else:
+            slot.remove()
+
+    def close(self) -> None:
+        """Stop prefetches and delete what they and whole-tensor reads left (a run that stops early)."""
+        self._closing.set()
+        for file in list(self._acquired) + list(self._slots):
+            self.release(file)
+        with self._state:
+            pending, self._pending = dict(self._pending), {}
+        for fut in pending.values():
+            with contextlib.suppress(BaseException):  # the download's own error is not this run's
+                fut.result().remove()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._closing.clear()
+
     def _fetch_raw_header(self, file: str) -> tuple[bytes, int]:
         from huggingface_hub import hf_hub_url
         from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-        url = hf_hub_url(self.repo, file, revision=self.revision, endpoint=self.endpoint)
+        self.resolve()
+        url = hf_hub_url(self.repo, file, revision=self.commit, endpoint=self.endpoint)
         headers = build_hf_headers(token=self.token)
 
         def ranged(start: int, end: int) -> tuple[bytes, int]:
@@ -228,14 +582,80 @@ class HubSource(Source):
                 total = int(r.headers.get("Content-Range", "/0").rsplit("/", 1)[-1] or 0)
                 return r.content, total
 
-            return with_retries(f"{self.repo}@{self.revision}: {file} (header)", get)
+            return with_retries(f"{self.where(file)} (header)", get, self.budget)
 
         head, size = ranged(0, HEADER_PROBE - 1)
         if len(head) < 8:
-            raise SourceError(f"{self.repo}: {file}: {len(head)} bytes is too short for a safetensors file")
+            raise SourceError(f"{self.where(file)}: {len(head)} bytes is too short for a safetensors file")
         (n,) = struct.unpack("<Q", head[:8])
         if n > MAX_HEADER or (size and 8 + n > size):
-            raise SourceError(f"{self.repo}: {file}: header length {n} does not fit the file ({size} bytes)")
+            raise SourceError(f"{self.where(file)}: header length {n} does not fit the file ({size} bytes)")
         if 8 + n > len(head):
             head += ranged(len(head), 8 + n - 1)[0]
         return head[8 : 8 + n], size
+
+
+class _Closing(TaskReport):
+    """A task's report that also stops the download when its source closes."""
+
+    def __init__(self, report: TaskReport, closing: threading.Event):
+        super().__init__(report.number, None, None)
+        self.report, self.closing = report, closing
+
+    def downloaded(self, n: int) -> None:
+        self.report.downloaded(n)
+        if self.closing.is_set():
+            raise Cancelled("the source was closed")
+
+
+# --- what k3lab fetched into meta ------------------------------------------------------------------
+
+
+def _local_oid(path: Path, remote: RemoteFile) -> str | None:
+    """The file's hash in the form the Hub gives for ``remote`` (SHA-256 or git blob id)."""
+    try:
+        size = path.stat().st_size
+        h = hashlib.sha256() if remote.sha256 else hashlib.sha1(b"blob %d\0" % size)
+        for chunk in read_chunks(path, max(size, 1) * 2, "metadata file"):
+            h.update(chunk)
+    except (OSError, K3LabError):
+        return None
+    return h.hexdigest() if remote.sha256 else f"git-{h.hexdigest()}"
+
+
+def _read_fetched(path: Path) -> dict[str, str]:
+    try:
+        data = json.loads(b"".join(read_chunks(path, 1 << 20, "k3lab's list of fetched files")))
+    except (OSError, K3LabError, ValueError):
+        return {}
+    return (
+        {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
+        if isinstance(data, dict)
+        else {}
+    )
+
+
+def _write_fetched(path: Path, fetched: dict[str, str]) -> None:
+    _install_bytes(json.dumps(fetched, indent=1, sort_keys=True).encode(), path)
+
+
+def _install(src: Path, dst: Path) -> None:
+    """Copy a downloaded file into place atomically (never through a symlink at ``dst``)."""
+    _install_bytes(b"".join(read_chunks(src, 1 << 30, "downloaded file")), dst)
+
+
+def _install_bytes(data: bytes, dst: Path) -> None:
+    tmp = dst.with_name(f".{dst.name}.k3lab-partial")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if dst.is_symlink():
+            raise HubError(f"{dst}: is a symlink; k3lab never writes through one")
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -81,7 +81,7 @@ class PlannedFile:
     number: int  # 1-based
     filename: str
     source_file: str
-    shard: dict[str, Any]  # what identifies the source shard: size, header_sha256 (and the Hub's etag)
+    shard: dict[str, Any]  # what identifies the source shard: size, header_sha256 (and the Hub's SHA-256)
     tensors: list[PlannedTensor] = field(default_factory=list)
     digest: str = ""  # of everything that decides this file's bytes
     memory: int = 0  # forecast peak RSS of the process converting it
@@ -240,7 +240,7 @@ def file_digest(plan: Plan, pf: PlannedFile) -> str:
         pf.filename,
         len(plan.files),
         plan.n_tensors,
-        {k: v for k, v in pf.shard.items() if k != "etag"},
+        pf.shard,  # (the Hub: its SHA-256 too, so a changed shard redoes its file)
         items,
         plan.kvs_digest if pf.number == 1 else None,
     ]

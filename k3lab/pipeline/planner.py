@@ -197,12 +197,13 @@ def inputs_fingerprint(
     model: Model, source: Any, shards: list[str], options: dict[str, Any]
 ) -> dict[str, Any]:
     """What the plan depends on, read cheaply: every metadata file's SHA-256, each shard's size and
-    header SHA-256 (the Hub: its ETag), the options, k3lab's output format and the rule table."""
+    header SHA-256 (the Hub: its SHA-256, and the commit), the options, k3lab's output format and the rule table."""
     return {
         "k3lab": [PLAN_FORMAT, OUTPUT_FORMAT, model.name, model.rules_digest],
         "options": options,
         "meta": meta_fingerprint(source.meta_dir, model.meta_files + model.optional_meta),
         "shards": source.shard_fingerprint(shards),
+        "pinned": source.pin(),  # (the Hub: the commit every task reads)
     }
 
 

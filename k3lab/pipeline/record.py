@@ -12,7 +12,7 @@ A record (``Record.to_json``):
    "tensors": [{"name", "type", "ne", "nbytes", "offset", "sha256", "transform",
                 "sources": [{"name", "file"}]}],
    text files also: "split_count", "split_tensors", "plan_digest", "basename", "outtype",
-                    "source": {"file", "size", "data_bytes", "header_sha256" (, "etag")};
+                    "source": {"file", "size", "data_bytes", "header_sha256" (, "sha256": the Hub's)};
    single files also: "key" (the record's name in .k3lab/: "mmproj", "tokenizer")}
   offset is absolute in the file; sha256 is over the tensor's canonical GGML bytes.
 """

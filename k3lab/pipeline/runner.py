@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,11 +29,12 @@ from typing import Any
 from tqdm.auto import tqdm  # a widget bar in a notebook, a text bar on a terminal
 
 from k3lab.errors import K3LabError, MachineError
-from k3lab.pipeline.convert import FileResult, convert_file
+from k3lab.pipeline.convert import FileResult, convert_file, worker_name
 from k3lab.pipeline.folder import OutputFolder, check_basename
 from k3lab.pipeline.model import Model
 from k3lab.pipeline.plan import Plan
 from k3lab.pipeline.planner import make_plan, plan_options, still_current
+from k3lab.pipeline.progress import RunProgress, TaskReport
 from k3lab.pipeline.sources import SourceSpec
 
 
@@ -70,9 +72,11 @@ class Task:
 
     model: Model
     out_dir: str
-    source: SourceSpec
+    source: SourceSpec  # pinned: the plan's commit, for a Hub source
     plan_digest: str  # the worker checks it loaded the plan this run made
     force: bool = False
+    run_token: str = ""  # the run holding the folder: a task renames nothing once it does not
+    channel: str = ""  # on Dask: the run's event topic and stop Event (see ``cluster``)
 
 
 @functools.lru_cache(maxsize=2)
@@ -80,31 +84,47 @@ def _task_plan(model: Model, out_dir: str, plan_digest: str) -> Plan:
     return OutputFolder(out_dir).require_plan(model, plan_digest)
 
 
-_progress_queue: Any = None  # set in worker processes by _init_worker
+_progress_queue: Any = None  # set in worker processes by _init_worker, and by _run_here
+
+
+def _task_report(task: Task, number: int) -> TaskReport:
+    """Where this task's messages go (the run's queue, or Dask's event stream), and how it hears of
+    a stop (on Dask: the run's Event; elsewhere signals reach the process itself)."""
+    if task.channel:
+        from k3lab.pipeline.cluster import worker_channel
+
+        emit, stop = worker_channel(task.channel)
+        return TaskReport(number, emit, stop)
+    q = _progress_queue
+    return TaskReport(number, q.put if q is not None else None)
 
 
 def run_task(task: Task, number: int, next_number: int | None = None) -> FileResult:
     """Convert output file ``number``: the task every runner runs."""
-    plan = _task_plan(task.model, task.out_dir, task.plan_digest)
-    source = task.source.open()
-    if next_number is not None:
-        source.prefetch(plan.file(next_number).source_file)
-    q = _progress_queue
-    if q is not None:
-        q.put((number, -os.getpid()))  # which process converts this file (named if it dies)
-
-    def progress(n: int) -> None:
-        if q is not None:
-            q.put((number, n))
-
-    global _converting
-    _converting += 1
+    report = _task_report(task, number)
+    report.started(worker_name())
     try:
-        return convert_file(
-            plan, number, source, task.out_dir, task.force, progress if q is not None else None
-        )
+        report.check(now=True)  # a task the scheduler started as its run stopped does nothing
+        plan = _task_plan(task.model, task.out_dir, task.plan_digest)
+        source = task.source.open()
+        if next_number is not None:
+            ahead = TaskReport(next_number, report.emit, report.stop)
+            source.prefetch(plan.file(next_number).source_file, ahead)
+        folder = OutputFolder(task.out_dir)
+
+        def before_commit() -> None:
+            report.check(now=True)
+            if task.run_token:
+                folder.check_held(task.run_token)
+
+        global _converting
+        _converting += 1
+        try:
+            return convert_file(plan, number, source, task.out_dir, task.force, report, before_commit)
+        finally:
+            _converting -= 1
     finally:
-        _converting -= 1
+        report.ended()
 
 
 _converting = 0  # conversions running in this process (a SIGTERM then has cleaning up to do)
@@ -160,10 +180,15 @@ class RunOptions:
 
 
 def prepare(
-    model: Model, spec: SourceSpec, out_dir: str | Path, options: RunOptions = RunOptions()
+    model: Model,
+    spec: SourceSpec,
+    out_dir: str | Path,
+    options: RunOptions = RunOptions(),
+    say: Callable[[str], None] | None = None,
 ) -> tuple[Plan, list | None]:
     """The plan for this output folder, every input checked: the saved one when it can be trusted
-    and its inputs are unchanged, else a new one with the KVs to save. Writes nothing."""
+    and its inputs are unchanged, else a new one with the KVs to save (``say`` hears which files a
+    moved source changes). Writes nothing."""
     basename = check_basename(options.basename or model.default_basename)
     folder = OutputFolder(out_dir)
     folder.check_state_dir()
@@ -174,7 +199,36 @@ def prepare(
         saved, source, plan_options(options.outtype, basename, options.chat_template)
     ):
         return saved, None
-    return make_plan(model, source, options.outtype, basename, options.chat_template)
+    plan, kvs = make_plan(model, source, options.outtype, basename, options.chat_template)
+    if saved is not None and say is not None:
+        say(describe_change(saved, plan))
+    return plan, kvs
+
+
+def describe_change(saved: Plan, plan: Plan) -> str:
+    """One line: what a new plan changes against the saved one (a source that moved, new options)."""
+    before, after = saved.inputs.get("pinned") or {}, plan.inputs.get("pinned") or {}
+    old = {f.number: f.digest for f in saved.files}
+    changed = [f.number for f in plan.files if old.get(f.number) != f.digest]
+    moved = [f"{k} {before.get(k, '?')[:12]} -> {after[k][:12]}" for k in after if before.get(k) != after[k]]
+    what = f"the source moved ({', '.join(moved)})" if moved else "the inputs changed"
+    if not changed:
+        return f"{what}: no output file changes; finished files are kept"
+    return (
+        f"{what}: {len(changed)} of {len(plan.files)} output files change "
+        f"({_ranges(changed)}) and are converted again; the others are kept"
+    )
+
+
+def _ranges(numbers: list[int]) -> str:
+    """1,2,3,5 -> '1-3,5' (as --shards takes them)."""
+    spans: list[list[int]] = []
+    for k in sorted(set(numbers)):
+        if spans and spans[-1][1] == k - 1:
+            spans[-1][1] = k
+        else:
+            spans.append([k, k])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 @contextlib.contextmanager
@@ -185,11 +239,12 @@ def start_run(
     options: RunOptions = RunOptions(),
     run_token: str | None = None,
     shards: list[int] | str | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> Iterator[tuple[Plan, str, list[int]]]:
     """Plan and pick the files (failing before anything is written), then hold the folder for the
     block: lock, save a new plan, remove what a killed run left. With ``run_token``, join the run
     holding the lock."""
-    plan, kvs = prepare(model, spec, out_dir, options)
+    plan, kvs = prepare(model, spec, out_dir, options, say)
     numbers = shards if isinstance(shards, list) else parse_shards(shards, len(plan.files))
     folder = OutputFolder(out_dir)
     with folder.hold(run_token) as token:
@@ -198,6 +253,21 @@ def start_run(
         if run_token is None:
             folder.remove_partials()
         yield plan, token, numbers
+
+
+class RunFailed(K3LabError):
+    """Some output files failed (others may be done): every one listed, then how to resume. Exit 1
+    when every failure is the machine's or the network's, 2 when one is the input's."""
+
+    def __init__(self, failures: list[tuple[int, str, K3LabError]], total: int):
+        numbers = sorted(k for k, _, _ in failures)
+        lines = [f"output file {k} ({file}): {e}" for k, file, e in sorted(failures, key=lambda f: f[0])]
+        lines.append(
+            f"{len(failures)} of {total} output files failed; finished files are kept: run the same "
+            f"command again to convert the rest (they are {_ranges(numbers)})"
+        )
+        super().__init__("\n".join(lines))
+        self.exit_code = 1 if all(isinstance(e, MachineError) for _, _, e in failures) else 2
 
 
 def convert_shards(
@@ -213,68 +283,68 @@ def convert_shards(
 ) -> list[FileResult]:
     """Convert the given output files (a list, a ``--shards`` string, or None: all), in this process,
     ``jobs`` at a time, or one Dask task each on the cluster at ``scheduler``; merge the manifest.
-    Progress: none when ``quiet``; shown on a terminal only when False; always when None (a notebook,
-    whose output is no terminal)."""
-    with start_run(model, spec, out_dir, options, run_token, shards) as (plan, token, numbers):
-        return _convert_planned(plan, spec, str(out_dir), numbers, jobs, quiet, scheduler, options)
+    Progress: none when ``quiet`` (errors only); shown on a terminal only when False; always when
+    None (a notebook, whose output is no terminal)."""
+    say = None if quiet else _say
+    with start_run(model, spec, out_dir, options, run_token, shards, say) as (plan, token, numbers):
+        spec = spec.with_options(plan.inputs.get("pinned") or {})  # every task reads what was planned
+        task = Task(plan.model, str(out_dir), spec, plan.inputs_digest, options.force, token)
+        return _convert_planned(plan, task, numbers, jobs, quiet, scheduler)
+
+
+def _say(line: str) -> None:
+    print(f"k3lab: {line}", file=sys.stderr, flush=True)
 
 
 def _convert_planned(
-    plan: Plan,
-    spec: SourceSpec,
-    out_dir: str,
-    numbers: list[int],
-    jobs: int,
-    quiet: bool | None,
-    scheduler: str | None,
-    options: RunOptions,
+    plan: Plan, task: Task, numbers: list[int], jobs: int, quiet: bool | None, scheduler: str | None
 ) -> list[FileResult]:
-    task = Task(plan.model, out_dir, spec, plan.inputs_digest, options.force)
-    folder = OutputFolder(out_dir)
+    folder = OutputFolder(task.out_dir)
     results: list[FileResult] = []
     todo = []
     for k in numbers:  # complete files are found here, not sent anywhere
         pf = plan.file(k)
-        if not options.force and folder.is_complete(k, pf.filename, pf.digest):
+        if not task.force and folder.is_complete(k, pf.filename, pf.digest):
             results.append(FileResult(k, pf.filename, True, 0.0, pf.nbytes))
         else:
             todo.append(k)
-    errors: list[BaseException] = []
+    failures: dict[int, K3LabError] = {}
     disable = {True: True, False: None, None: False}[quiet]  # tqdm's None: bars on a terminal only
-    overall = tqdm(
+    bar = tqdm(
         total=sum(plan.file(k).source_bytes for k in todo),
         unit="B",
         unit_scale=True,
-        desc=f"{len(todo)} shards",
+        desc=f"{len(todo)} files",
         disable=disable if todo else True,
     )
+    progress = RunProgress(bar)
+    late: list[BaseException] = []
     try:
         if todo and scheduler:
-            from k3lab.pipeline.batch import dask_map
+            from k3lab.pipeline.cluster import run_on_dask
 
-            for r in dask_map(run_task, [(task, k) for k in todo], scheduler, quiet=quiet):
-                if isinstance(r, BaseException):
-                    errors.append(r)
-                else:
-                    results.append(r)
-                    overall.update(plan.file(r.number).source_bytes)
+            run_on_dask(run_task, task, todo, scheduler, progress, results, failures)
         elif todo and jobs <= 1:
-            _run_here(task, todo, overall, results, errors)
+            _run_here(task, todo, progress, results, failures)
         elif todo:
-            _run_pool(task, todo, jobs, overall, results, errors)
+            _run_pool(task, todo, jobs, progress, results, failures)
     finally:
-        overall.close()
-        spec.open().close()
+        bar.close()
+        task.source.open().close()
         try:
             folder.merge()
-        except K3LabError as e:  # (a full disk) reported after the error that came first
-            errors.append(e)
-    if errors:
-        raise errors[0]
+        except K3LabError as e:  # (a full disk) reported after the errors that came first
+            late.append(e)
+    if failures:
+        if len(failures) == 1 and not late:
+            raise next(iter(failures.values()))
+        raise RunFailed([(k, plan.file(k).source_file, e) for k, e in failures.items()], len(numbers))
+    if late:
+        raise late[0]
     return sorted(results, key=lambda r: r.number)
 
 
-def _run_here(task: Task, todo: list[int], overall: Any, results: list[FileResult], errors: list) -> None:
+def _run_here(task: Task, todo: list[int], progress: RunProgress, results: list, failures: dict) -> None:
     global _progress_queue
     q: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
     _progress_queue = q
@@ -283,14 +353,16 @@ def _run_here(task: Task, todo: list[int], overall: Any, results: list[FileResul
             try:
                 results.append(run_task(task, k, todo[i + 1] if i + 1 < len(todo) else None))
             except K3LabError as e:  # a bad shard does not stop the others
-                errors.append(e)
-            _drain(q, overall)
+                failures[k] = e
+            _drain(q, progress)
     finally:
         _progress_queue = None
-        _drain(q, overall)
+        _drain(q, progress)
 
 
-def _run_pool(task: Task, todo: list[int], jobs: int, overall: Any, results: list, errors: list) -> None:
+def _run_pool(
+    task: Task, todo: list[int], jobs: int, progress: RunProgress, results: list, failures: dict
+) -> None:
     ctx = mp.get_context("spawn")
     # workers are born ignoring SIGINT (an ignored signal stays ignored across exec, and Python then
     # installs no KeyboardInterrupt handler): Ctrl-C reaches the whole group, but only this process
@@ -304,7 +376,7 @@ def _run_pool(task: Task, todo: list[int], jobs: int, overall: Any, results: lis
             initializer=_init_worker,
             initargs=(q, os.getpid()),
         )
-        pending = {pool.submit(run_task, task, k) for k in todo}
+        pending = {pool.submit(run_task, task, k): k for k in todo}
     finally:
         signal.signal(signal.SIGINT, previous)
     stopping = False
@@ -312,21 +384,22 @@ def _run_pool(task: Task, todo: list[int], jobs: int, overall: Any, results: lis
     workers: dict[int, Any] = {}  # pid -> its Process (the pool forgets them once broken)
     try:
         while pending:
-            _drain(q, overall, busy)
+            _drain(q, progress, busy)
             workers.update(getattr(pool, "_processes", None) or {})
             for f in [f for f in pending if f.done()]:
-                pending.discard(f)
+                k = pending.pop(f)
                 try:
                     results.append(f.result())
                 except K3LabError as e:
-                    errors.append(e)
+                    failures[k] = e
                 except BrokenProcessPool:
-                    _drain(q, overall, busy)
-                    errors.append(_worker_died(workers, busy, results, lambda: _left_partials(task, todo)))
+                    _drain(q, progress, busy)
+                    died = _worker_died(workers, busy, results, lambda: _left_partials(task, todo))
+                    failures[died[0] or k] = died[1]
                     pending.clear()
                     break
             time.sleep(0.05)
-        _drain(q, overall, busy)
+        _drain(q, progress, busy)
     except BaseException:  # Ctrl-C, SIGTERM: stop the workers now, not after their remaining shards
         stopping = True
         raise
@@ -355,18 +428,16 @@ def _stop_workers(pool: ProcessPoolExecutor, grace: float = 1.5) -> None:
             p.join(1)
 
 
-def _drain(q: Any, overall: Any, busy: dict[int, int] | None = None) -> None:
-    """Progress from the workers: bytes read, or (as a negative number) the pid starting a file."""
+def _drain(q: Any, progress: RunProgress, busy: dict[int, int] | None = None) -> None:
+    """The workers' messages into the run's bar (and, for ``busy``, which process took which file)."""
     while True:
         try:
-            number, n = q.get_nowait()
+            msg = q.get_nowait()
         except queue_mod.Empty:
             return
-        if n < 0:
-            if busy is not None:
-                busy[-n] = number
-        else:
-            overall.update(n)
+        if msg[0] == "start" and busy is not None:
+            busy[int(str(msg[2]).rsplit(":", 1)[1])] = msg[1]
+        progress.take(msg)
 
 
 def _left_partials(task: Task, todo: list[int]) -> list[int]:
@@ -379,8 +450,9 @@ def _left_partials(task: Task, todo: list[int]) -> list[int]:
 
 def _worker_died(
     workers: dict[int, Any], busy: dict[int, int], results: list[FileResult], left: Callable[[], list[int]]
-) -> MachineError:
-    """A worker killed from outside (the OOM killer, kill -9): one line naming its file and signal."""
+) -> tuple[int | None, MachineError]:
+    """A worker killed from outside (the OOM killer, kill -9): the file it converted (if known) and one
+    line naming it and the signal."""
     done = {r.number for r in results}
     for p in workers.values():  # the others are stopped (and remove their .partial) first
         p.join(2)
@@ -397,11 +469,11 @@ def _worker_died(
     dead.sort(key=lambda p: p.exitcode == -signal.SIGTERM)
     for p in dead:
         how = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit code {p.exitcode}"
-        return MachineError(
+        return busy[p.pid], MachineError(
             f"worker for shard {busy[p.pid]} died ({how}); finished files are kept: run the command again"
         )
     idle = [p for p in workers.values() if p.exitcode and p.exitcode != -signal.SIGTERM]
     how = f" (signal {-idle[0].exitcode})" if idle and idle[0].exitcode < 0 else ""
-    return MachineError(
+    return None, MachineError(
         f"a worker process died{how} before it began a shard; finished files are kept: run the command again"
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import dataclasses
 import functools
 import hashlib
 import importlib
@@ -41,6 +42,7 @@ from k3lab.formats.safetensors import (
     read_raw_header,
     read_tensor,
 )
+from k3lab.pipeline.progress import NO_REPORT, TaskReport
 
 INDEX_NAME = "model.safetensors.index.json"
 MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -151,6 +153,13 @@ class SourceSpec:
     def describe(self) -> str:
         return self.location
 
+    def with_options(self, extra: dict[str, Any]) -> SourceSpec:
+        """This spec with ``extra`` options set (a plan's ``pin``: the Hub's commit)."""
+        if not extra:
+            return self
+        kept = tuple((k, v) for k, v in self.options if k not in extra)
+        return dataclasses.replace(self, options=kept + tuple(sorted(extra.items())))
+
 
 @functools.lru_cache(maxsize=4)
 def _open_source(spec: SourceSpec) -> Source:
@@ -241,7 +250,7 @@ class Source(abc.ABC):
 
     def _parse(self, file: str) -> dict[str, TensorEntry]:
         path = self.local_path(file)
-        local = path.exists() or path.is_symlink()
+        local = self.readable(file)
         raw, size = read_raw_header(path) if local else self._fetch_raw_header(file)
         self._header_sha[file] = hashlib.sha256(raw).hexdigest()
         entries, _ = parse_header(raw, str(path) if local else self.where(file), size)
@@ -265,13 +274,18 @@ class Source(abc.ABC):
         return None  # nothing in flight
 
     # --- one shard's bytes ---
-    def acquire(self, file: str) -> None:
-        """Make ``file``'s bytes readable (local: they are)."""
+    def acquire(self, file: str, report: TaskReport = NO_REPORT) -> None:
+        """Make ``file``'s bytes readable (local: they are); downloads report to ``report``."""
         return None  # a local file is readable as it is
 
-    def prefetch(self, file: str) -> None:
+    def prefetch(self, file: str, report: TaskReport = NO_REPORT) -> None:
         """A hint: ``file`` is acquired next (local: nothing to do)."""
         return None  # nothing to fetch ahead
+
+    def pin(self) -> dict[str, Any]:
+        """The spec options that make every later open read exactly what this one read (the Hub:
+        the commit); the plan records them and every task opens its source with them."""
+        return {}
 
     def release(self, file: str) -> None:
         """Done with ``file``: close it (the Hub source also deletes it)."""
@@ -347,6 +361,11 @@ class Source(abc.ABC):
     @abc.abstractmethod
     def local_path(self, file: str) -> Path:
         """Where the shard's bytes are (or will be, once acquired)."""
+
+    def readable(self, file: str) -> bool:
+        """Whether the shard's bytes are on this machine now (else its header is fetched remotely)."""
+        path = self.local_path(file)
+        return path.exists() or path.is_symlink()
 
     def _fetch_raw_header(self, file: str) -> tuple[bytes, int]:
         raise SourceError(f"{self.where(file)}: not found")

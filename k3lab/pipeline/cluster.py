@@ -1,0 +1,148 @@
+"""A run's output files as Dask tasks on a running cluster, with one progress bar and a stop that stops.
+
+Each output file is one task (``runner.run_task``) submitted to the scheduler. The run has a
+*channel*, a name made from its lock token:
+
+- **Progress.** Tasks send their ``TaskReport`` messages as Dask events on the channel's topic
+  (``Worker.log_event``; bytes are batched to a few messages a second); the client subscribes
+  (``Client.subscribe_topic``) and folds them into the run's one byte bar.
+- **Stopping.** Ctrl-C or SIGTERM of the client sets the channel's ``distributed.Event`` and cancels
+  every task on the scheduler (pending ones never start). A running task asks the Event between
+  pieces and before it renames a finished file (and checks the run still holds the folder's lock), so
+  it unwinds, removing its ``.partial``; the client waits for every started task to say it ended
+  (up to ``STOP_GRACE`` seconds) before it lets go of the folder, so a rerun never meets a task of
+  the old run still writing.
+"""
+
+from __future__ import annotations
+
+import queue as queue_mod
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from k3lab.errors import K3LabError, MachineError
+from k3lab.pipeline.progress import Cancelled, Message, RunProgress
+
+STOP_GRACE = 60.0  # seconds the client waits for running tasks to stop after Ctrl-C
+FLUSH_EVERY = 0.25  # seconds between two progress events of a task
+
+
+def channel_name(run_token: str) -> str:
+    return f"k3lab-run-{run_token}"
+
+
+class _WorkerEmitter:
+    """A task's messages as Dask events: byte counts batched, the rest at once."""
+
+    def __init__(self, topic: str):
+        from distributed import get_worker
+
+        self.worker, self.topic = get_worker(), topic
+        self.pending: dict[tuple[str, int], int] = {}
+        self.last = 0.0
+        self.lock = threading.Lock()
+
+    def __call__(self, msg: Message) -> None:
+        kind, number, value = msg
+        with self.lock:
+            if kind in ("read", "down"):
+                self.pending[(kind, number)] = self.pending.get((kind, number), 0) + int(value)
+                if time.monotonic() - self.last < FLUSH_EVERY:
+                    return
+                out = []
+            else:
+                out = [list(msg)]
+            batch = [[k, n, v] for (k, n), v in self.pending.items()] + out
+            self.pending.clear()
+            self.last = time.monotonic()
+        for m in batch:
+            self.worker.log_event(self.topic, m)
+
+
+_stop_events: dict[str, Any] = {}
+
+
+def worker_channel(channel: str) -> tuple[Callable[[Message], None], Callable[[], bool]]:
+    """In a task on a Dask worker: where its messages go and whether its run has stopped."""
+    from distributed import Event
+
+    event = _stop_events.get(channel)
+    if event is None:
+        event = _stop_events[channel] = Event(channel)
+    return _WorkerEmitter(channel), event.is_set
+
+
+def run_on_dask(
+    run_task: Callable[..., Any],
+    task: Any,
+    todo: list[int],
+    scheduler: str,
+    progress: RunProgress,
+    results: list,
+    failures: dict[int, K3LabError],
+) -> None:
+    """``run_task(task, k)`` for each k on the cluster at ``scheduler``; results and failures by file."""
+    import dataclasses
+
+    from distributed import Client, Event, wait
+
+    channel = channel_name(task.run_token)
+    task = dataclasses.replace(task, channel=channel)
+    try:
+        client = Client(scheduler, timeout=60)
+    except OSError as e:
+        raise MachineError(f"--scheduler {scheduler}: cannot reach it ({e})") from None
+    inbox: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+    client.subscribe_topic(channel, lambda event: inbox.put(event[1]))
+    stop = Event(channel, client=client)
+    futures = {
+        client.submit(run_task, task, k, key=f"k3lab-{task.run_token[:12]}-{k}", pure=False): k for k in todo
+    }
+
+    def drain() -> None:
+        while True:
+            try:
+                progress.take(tuple(inbox.get_nowait()))
+            except queue_mod.Empty:
+                return
+
+    try:
+        pending = set(futures)
+        while pending:
+            try:
+                done, pending = wait(pending, timeout=0.25, return_when="FIRST_COMPLETED")
+            except TimeoutError:
+                done = set()
+            drain()
+            for fut in done:
+                k = futures[fut]
+                try:
+                    results.append(fut.result())
+                except K3LabError as e:
+                    failures[k] = e
+                except Cancelled:
+                    pass
+                except Exception as e:  # KilledWorker and the like: the machine's, not the input's
+                    failures[k] = MachineError(f"on the cluster: {type(e).__name__}: {e}".strip())
+        time.sleep(0.3)  # the last events of the last task
+        drain()
+    except BaseException:  # Ctrl-C, SIGTERM: every task stops, and the client waits until they have
+        stop.set()
+        client.cancel(list(futures), force=True)
+        deadline = time.monotonic() + STOP_GRACE
+        while time.monotonic() < deadline:
+            drain()
+            if not progress.running:
+                time.sleep(0.5)  # a last task's "end" may be in flight
+                drain()
+                if not progress.running:
+                    break
+            time.sleep(0.1)
+        raise
+    finally:
+        try:
+            client.unsubscribe_topic(channel)
+        finally:
+            client.close()

@@ -1,0 +1,125 @@
+"""What a task tells its run while it works, and how it hears that the run stopped.
+
+A task (one output file, in this process, a ``--jobs`` worker or a Dask worker) gets a
+``TaskReport``: it reports source bytes converted (``read``), bytes downloaded (``downloaded``) and
+transient failures it rides out (``retried``), each as a small tuple handed to ``emit`` (a queue, a
+pipe, Dask's event stream: the runner chooses). ``check()`` raises ``Cancelled`` once the run has
+stopped (``stop`` says so: the client's Dask ``Event``, the folder's lock), so a task checks between
+pieces and before it renames a finished file; the check is cheap (``stop`` is asked at most every
+``CHECK_EVERY`` seconds, a final ``check(now=True)`` always asks).
+
+On the run's side ``RunProgress`` folds every task's reports into one byte bar: source bytes
+converted (total: the files to do), with the download's bytes, speed and retries shown beside it. A
+task that starts a file again (a restarted Dask worker) takes back what it reported before, so the
+count never passes its total.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+CHECK_EVERY = 0.5  # seconds between two asks of ``stop`` (a Dask Event is a round trip)
+
+Message = tuple  # ("start", number, who) | ("read", number, n) | ("down", number, n) | ("retry", number, text) | ("end", number, "")
+
+
+class Cancelled(Exception):
+    """The run this task belongs to has stopped (Ctrl-C, SIGTERM, its client gone): the task unwinds,
+    removing what it was writing, and writes nothing more."""
+
+
+class TaskReport:
+    def __init__(
+        self,
+        number: int = 0,
+        emit: Callable[[Message], None] | None = None,
+        stop: Callable[[], bool] | None = None,
+    ):
+        self.number, self.emit, self.stop = number, emit, stop
+        self._asked = 0.0
+        self.down_bytes = 0  # this task's downloaded bytes so far (the Hub's retries see progress)
+
+    def _send(self, kind: str, value: Any) -> None:
+        if self.emit is not None:
+            self.emit((kind, self.number, value))
+
+    def started(self, who: str) -> None:
+        self._send("start", who)
+
+    def ended(self) -> None:
+        self._send("end", "")
+
+    def read(self, n: int) -> None:
+        self._send("read", n)
+        self.check()
+
+    def downloaded(self, n: int) -> None:
+        self.down_bytes += n
+        self._send("down", n)
+        self.check()
+
+    def retried(self, text: str) -> None:
+        self._send("retry", text)
+
+    def check(self, now: bool = False) -> None:
+        """Raise ``Cancelled`` if the run has stopped."""
+        if self.stop is None:
+            return
+        t = time.monotonic()
+        if now or t - self._asked >= CHECK_EVERY:
+            self._asked = t
+            if self.stop():
+                raise Cancelled(f"output file {self.number}: the run stopped")
+
+
+NO_REPORT = TaskReport()
+
+
+class RunProgress:
+    """One byte bar for the whole run, fed with the tasks' messages (``take``)."""
+
+    def __init__(self, bar: Any):
+        self.bar = bar  # a tqdm (disabled when quiet)
+        self.read: dict[int, int] = {}
+        self.down = 0
+        self.retries = 0
+        self.last_retry = ""
+        self.running: dict[int, str] = {}  # number -> who converts it
+        self._t0 = time.monotonic()
+        self._shown = 0.0
+
+    def take(self, msg: Message) -> None:
+        kind, number, value = msg
+        if kind == "start":
+            self.running[number] = value
+            again = self.read.pop(number, 0)  # begun anew: what it reported before is redone
+            if again:
+                self.bar.update(-again)
+        elif kind == "end":
+            self.running.pop(number, None)
+        elif kind == "read":
+            self.read[number] = self.read.get(number, 0) + value
+            self.bar.update(value)
+        elif kind == "down":
+            self.down += value
+        elif kind == "retry":
+            self.retries += 1
+            self.last_retry = str(value)
+        self._postfix()
+
+    def _postfix(self, force: bool = False) -> None:
+        t = time.monotonic()
+        if not (self.down or self.retries) or (not force and t - self._shown < 0.5):
+            return
+        self._shown = t
+        from k3lab.util import human_bytes
+
+        parts = []
+        if self.down:
+            rate = self.down / max(t - self._t0, 1e-6)
+            parts.append(f"downloaded {human_bytes(self.down)} at {human_bytes(rate)}/s")
+        if self.retries:
+            parts.append(f"{self.retries} retries")
+        self.bar.set_postfix_str(", ".join(parts), refresh=False)
