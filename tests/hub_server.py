@@ -8,7 +8,7 @@ a new one (a new id; ``main`` moves to it) and every older commit is still serve
 ``faults=True`` cuts the first whole-file download of each large file part way through (the client
 must resume with a ranged request) and answers every seventh GET with a 503; ``outage(seconds)``
 drops every connection unanswered for a while (the Hub unreachable); ``throttle`` caps each
-download's rate (bytes/s); ``token`` requires one. Everything stays on 127.0.0.1 and the server stops
+download's rate (bytes/s); ``corrupt`` serves a file with a byte flipped; ``token`` requires one. Everything stays on 127.0.0.1 and the server stops
 when the test ends.
 """
 
@@ -42,6 +42,7 @@ class HubServer:
         self.throttle: float | None = None  # bytes per second per download
         self._down_until = 0.0
         self.dropped = 0  # connections dropped by an outage
+        self.corrupt: set[str] = set()  # paths served with one byte flipped (their listing unchanged)
         files = {
             p.relative_to(root).as_posix(): p.read_bytes()
             for p in sorted(Path(root).rglob("*"))
@@ -212,6 +213,10 @@ class HubServer:
         h.end_headers()
         if head:
             return
+        if m["file"] in self.corrupt:
+            flipped = bytearray(data)
+            flipped[-1] ^= 0x01
+            data = bytes(flipped)
         body = memoryview(data)[start : end + 1]
         cut = False
         with self.lock:

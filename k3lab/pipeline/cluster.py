@@ -82,11 +82,16 @@ def run_on_dask(
     progress: RunProgress,
     results: list,
     failures: dict[int, K3LabError],
+    plan_bytes: Callable[[int], int],
 ) -> None:
-    """``run_task(task, k)`` for each k on the cluster at ``scheduler``; results and failures by file."""
+    """``run_task(task, k)`` for each k on the cluster at ``scheduler``; results and failures by file
+    (``plan_bytes(k)``: file k's source bytes, its share of the bar)."""
     import dataclasses
+    from concurrent.futures import CancelledError
 
     from distributed import Client, Event, wait
+
+    from k3lab.pipeline.runner import gives_up
 
     channel = channel_name(task.run_token)
     task = dataclasses.replace(task, channel=channel)
@@ -119,15 +124,21 @@ def run_on_dask(
             for fut in done:
                 k = futures[fut]
                 try:
-                    results.append(fut.result())
+                    result = fut.result()
+                    results.append(result)
+                    progress.finished(k, plan_bytes(k))
                 except K3LabError as e:
                     failures[k] = e
+                    if gives_up(e):  # tasks not begun yet are left for the rerun
+                        waiting = [f for f in pending if futures[f] not in progress.running]
+                        client.cancel(waiting)
+                        pending -= set(waiting)
                 except Cancelled:
+                    pass
+                except CancelledError:
                     pass
                 except Exception as e:  # KilledWorker and the like: the machine's, not the input's
                     failures[k] = MachineError(f"on the cluster: {type(e).__name__}: {e}".strip())
-        time.sleep(0.3)  # the last events of the last task
-        drain()
     except BaseException:  # Ctrl-C, SIGTERM: every task stops, and the client waits until they have
         stop.set()
         client.cancel(list(futures), force=True)

@@ -87,6 +87,7 @@ class RunProgress:
         self.retries = 0
         self.last_retry = ""
         self.running: dict[int, str] = {}  # number -> who converts it
+        self.done: set[int] = set()
         self._t0 = time.monotonic()
         self._shown = 0.0
 
@@ -99,7 +100,7 @@ class RunProgress:
                 self.bar.update(-again)
         elif kind == "end":
             self.running.pop(number, None)
-        elif kind == "read":
+        elif kind == "read" and number not in self.done:
             self.read[number] = self.read.get(number, 0) + value
             self.bar.update(value)
         elif kind == "down":
@@ -108,6 +109,15 @@ class RunProgress:
             self.retries += 1
             self.last_retry = str(value)
         self._postfix()
+
+    def finished(self, number: int, nbytes: int) -> None:
+        """File ``number`` is done: its whole ``nbytes`` count, whatever of its messages are still on
+        their way (Dask delivers a task's events and its result by different routes)."""
+        if number not in self.done:
+            self.done.add(number)
+            self.bar.update(nbytes - self.read.get(number, 0))
+            self.read[number] = nbytes
+        self._postfix(force=True)
 
     def _postfix(self, force: bool = False) -> None:
         t = time.monotonic()

@@ -255,16 +255,23 @@ def start_run(
         yield plan, token, numbers
 
 
+def gives_up(e: K3LabError) -> bool:
+    """After this failure a run starts no more files: the machine's or the network's trouble (a full
+    disk, the Hub down past its retry budget) would fail them all, one budget each."""
+    return isinstance(e, MachineError)
+
+
 class RunFailed(K3LabError):
     """Some output files failed (others may be done): every one listed, then how to resume. Exit 1
     when every failure is the machine's or the network's, 2 when one is the input's."""
 
-    def __init__(self, failures: list[tuple[int, str, K3LabError]], total: int):
-        numbers = sorted(k for k, _, _ in failures)
+    def __init__(self, failures: list[tuple[int, str, K3LabError]], total: int, not_attempted: list[int]):
+        numbers = sorted([k for k, _, _ in failures] + not_attempted)
         lines = [f"output file {k} ({file}): {e}" for k, file, e in sorted(failures, key=lambda f: f[0])]
+        skipped = f", {len(not_attempted)} not attempted" if not_attempted else ""
         lines.append(
-            f"{len(failures)} of {total} output files failed; finished files are kept: run the same "
-            f"command again to convert the rest (they are {_ranges(numbers)})"
+            f"{len(failures)} of {total} output files failed{skipped}; finished files are kept: run the "
+            f"same command again to convert the rest (they are {_ranges(numbers)})"
         )
         super().__init__("\n".join(lines))
         self.exit_code = 1 if all(isinstance(e, MachineError) for _, _, e in failures) else 2
@@ -323,12 +330,24 @@ def _convert_planned(
         if todo and scheduler:
             from k3lab.pipeline.cluster import run_on_dask
 
-            run_on_dask(run_task, task, todo, scheduler, progress, results, failures)
+            run_on_dask(
+                run_task,
+                task,
+                todo,
+                scheduler,
+                progress,
+                results,
+                failures,
+                lambda k: plan.file(k).source_bytes,
+            )
         elif todo and jobs <= 1:
             _run_here(task, todo, progress, results, failures)
         elif todo:
             _run_pool(task, todo, jobs, progress, results, failures)
     finally:
+        for r in results:
+            if not r.skipped:
+                progress.finished(r.number, plan.file(r.number).source_bytes)
         bar.close()
         task.source.open().close()
         try:
@@ -336,9 +355,14 @@ def _convert_planned(
         except K3LabError as e:  # (a full disk) reported after the errors that came first
             late.append(e)
     if failures:
-        if len(failures) == 1 and not late:
+        if len(failures) == 1:  # one line (a failed merge after it is the same trouble, said once)
             raise next(iter(failures.values()))
-        raise RunFailed([(k, plan.file(k).source_file, e) for k, e in failures.items()], len(numbers))
+        done = {r.number for r in results} | set(failures)
+        raise RunFailed(
+            [(k, plan.file(k).source_file, e) for k, e in failures.items()],
+            len(numbers),
+            [k for k in todo if k not in done],
+        )
     if late:
         raise late[0]
     return sorted(results, key=lambda r: r.number)
@@ -352,8 +376,10 @@ def _run_here(task: Task, todo: list[int], progress: RunProgress, results: list,
         for i, k in enumerate(todo):
             try:
                 results.append(run_task(task, k, todo[i + 1] if i + 1 < len(todo) else None))
-            except K3LabError as e:  # a bad shard does not stop the others
+            except K3LabError as e:  # a bad shard does not stop the others; the machine's trouble does
                 failures[k] = e
+                if gives_up(e):
+                    break
             _drain(q, progress)
     finally:
         _progress_queue = None
@@ -392,6 +418,9 @@ def _run_pool(
                     results.append(f.result())
                 except K3LabError as e:
                     failures[k] = e
+                    if gives_up(e):  # files not begun yet are left for the rerun
+                        for other in [f for f in pending if f.cancel()]:
+                            pending.pop(other)
                 except BrokenProcessPool:
                     _drain(q, progress, busy)
                     died = _worker_died(workers, busy, results, lambda: _left_partials(task, todo))
