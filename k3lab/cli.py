@@ -110,7 +110,8 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps(plan.to_json(), indent=1) if args.json else describe_plan(plan, args.jobs))
 
     if args.out_dir:  # saved there, as convert would
-        with start_run(model, spec, args.out_dir, options) as (plan, _, _):
+        say = lambda line: print(f"k3lab: {line}", file=sys.stderr)  # noqa: E731  (what a moved source changes)
+        with start_run(model, spec, args.out_dir, options, say=say) as (plan, _, _):
             show(plan)
         return 0
     basename = check_basename(options.basename or model.default_basename)

@@ -332,3 +332,79 @@ def test_check_logits_reads_the_hub(tiny_src: Path, tiny_out: Path, tmp_path: Pa
         )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert r.stdout.rstrip().endswith("check-logits OK: the verdict is the stage check")
+
+
+def test_metadata_follows_the_commit_and_a_users_file_is_never_replaced(
+    tiny_src: Path, tmp_path: Path
+) -> None:
+    """A new commit changes config.json: the rerun fetches it again (k3lab fetched the old one), says
+    the source moved, and redoes file 1 only (it carries the hyperparameters). A differing config.json
+    that k3lab did not fetch is one line, and stays as the user left it."""
+    with HubServer(tiny_src) as hub:
+        assert _convert(hub, tmp_path, "--shards", "1,2").returncode == 0
+        config = json.loads(hub.file("config.json"))
+        config["text_config"]["rms_norm_eps"] = 3e-6
+        new = json.dumps(config, indent=1).encode()
+        moved = hub.commit({"config.json": new}, "a new rms_norm_eps")
+        before = (tmp_path / "out").glob("*-00002-of-*.gguf").__next__().stat().st_mtime_ns
+        r = _convert(hub, tmp_path, "--shards", "1,2")
+        assert r.returncode == 0, r.stderr
+        assert (tmp_path / "meta" / "config.json").read_bytes() == new
+        assert "1 written, 1 already complete" in r.stdout, r.stdout
+        assert next((tmp_path / "out").glob("*-00002-of-*.gguf")).stat().st_mtime_ns == before
+        rerun = subprocess.run(  # not --quiet: it says what moved
+            [
+                sys.executable,
+                "-m",
+                "k3lab.cli",
+                "plan",
+                "--repo",
+                REPO,
+                "--meta",
+                str(tmp_path / "meta"),
+                "--out-dir",
+                str(tmp_path / "out"),
+                "--revision",
+                hub.first,
+            ],
+            env={**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home")},
+            capture_output=True,
+            text=True,
+        )
+        assert rerun.returncode == 0, rerun.stderr
+        assert f"the source moved (commit {moved[:12]} -> {hub.first[:12]})" in rerun.stderr, rerun.stderr
+        assert "1 of 9 output files change (1)" in rerun.stderr
+
+        mine = tmp_path / "mine"
+        mine.mkdir()
+        (mine / "config.json").write_bytes(new + b"\n")
+        r = subprocess.run(
+            _convert_args(tmp_path / "b", "--meta", str(mine)),
+            env={**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home")},
+            capture_output=True,
+            text=True,
+        )
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert (
+        len(lines) == 1
+        and "config.json: is not moonshotai/Kimi-K3@" in lines[0]
+        and "did not fetch it" in lines[0]
+    )
+    assert (mine / "config.json").read_bytes() == new + b"\n"
+    assert sorted(p.name for p in mine.iterdir()) == ["config.json"]
+
+
+def _convert_args(tmp: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "k3lab.cli",
+        "convert",
+        "--repo",
+        REPO,
+        "--out-dir",
+        str(tmp / "out"),
+        "--quiet",
+        *extra,
+    ]
