@@ -134,6 +134,7 @@ def _convert(args: argparse.Namespace) -> int:
         raise K3LabError(f"--jobs {args.jobs}: give 1 or more")
     spec = _source_spec(args, args.out_dir)
     options = _run_options(args, say=not args.quiet)
+    publication = _publication(args, args.out_dir, args.repo)
     results = convert_shards(
         _model(),
         spec,
@@ -143,6 +144,7 @@ def _convert(args: argparse.Namespace) -> int:
         quiet=args.quiet,
         scheduler=args.scheduler,
         options=options,
+        publication=publication,
     )
     written = [r for r in results if not r.skipped]
     workers = sorted({r.worker for r in written})
@@ -152,6 +154,64 @@ def _convert(args: argparse.Namespace) -> int:
         + (f"; written by {len(workers)} processes ({', '.join(workers)})" if len(workers) > 1 else "")
     )
     return 0
+
+
+def _publication(args: argparse.Namespace, out_dir: str, source_repo: str | None) -> Any:
+    """--push-to and its flags as a Publication (None without --push-to)."""
+    import os
+
+    from k3lab.card import DEFAULT_BASE_MODEL, extra_files, source_license
+    from k3lab.pipeline.publish import COMMIT_EVERY, Publication, PushTarget
+
+    if not args.push_to:
+        for flag in ("push_branch", "private", "keep_local", "commit_every"):
+            if getattr(args, flag, None):
+                raise K3LabError(f"--{flag.replace('_', '-')} is for publishing: it needs --push-to")
+        return None
+    if args.push_to.count("/") != 1 or not all(args.push_to.split("/")):
+        raise K3LabError(f"--push-to {args.push_to!r}: give a repo as ORG/NAME")
+    endpoint, token = os.environ.get("HF_ENDPOINT"), os.environ.get("HF_TOKEN")
+    target = PushTarget(
+        args.push_to,
+        args.push_branch or "main",
+        args.private,
+        getattr(args, "keep_local", True),
+        endpoint,
+        token,
+        getattr(args, "retry_budget", None) or PushTarget.retry_budget,
+    )
+    license = source_license(source_repo, endpoint, token)
+    return Publication(
+        target,
+        extra_files(str(out_dir), source_repo or DEFAULT_BASE_MODEL, args.push_to, license),
+        args.commit_every if args.commit_every is not None else COMMIT_EVERY,
+        getattr(args, "force", False),
+    )
+
+
+def _publish(args: argparse.Namespace) -> int:
+    from k3lab.pipeline.publish import publish_folder
+
+    args.repo = None
+    publication = _publication(args, args.out_dir, None)
+    pushed, kept, commit = publish_folder(_model(), args.out_dir, publication)
+    print(
+        f"{pushed} uploaded, {kept} already in {publication.target.where()}; "
+        + (f"commit {commit}" if commit else "nothing to commit")
+    )
+    return 0
+
+
+def _push_flags(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument("--push-branch", help="the branch to publish to (default: main; made if missing)")
+    p.add_argument("--private", action="store_true", help="make the repo private when creating it")
+    p.add_argument(
+        "--commit-every",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="commit uploaded files at most this often (default 300; a killed run keeps what was committed)",
+    )
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -332,7 +392,26 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--name", default=None, help="output basename (default: the model's, Kimi-K3)")
     c.add_argument("--quiet", action="store_true", help="errors and one summary line only")
     c.add_argument("--scheduler", help="fan the shards out on this Dask scheduler instead of local processes")
+    c.add_argument(
+        "--push-to",
+        metavar="ORG/NAME",
+        help="publish every file to this Hub repo from the machine that made it (workers share nothing but the Hub)",
+    )
+    c.add_argument(
+        "--keep-local", action="store_true", help="with --push-to: keep each file after uploading it"
+    )
+    _push_flags(c)
     c.set_defaults(func=_convert)
+
+    pu = sub.add_parser("publish", help="push a converted set (and its mmproj, tokenizer) to a Hub repo")
+    pu.add_argument("out_dir", help="the output folder of a conversion")
+    pu.add_argument("push_to", metavar="ORG/NAME")
+    pu.add_argument("--force", action="store_true", help="replace another set the repo holds")
+    pu.add_argument(
+        "--retry-budget", type=float, default=None, metavar="SECONDS", help="as for downloads (default 900)"
+    )
+    _push_flags(pu)
+    pu.set_defaults(func=_publish, keep_local=True)
 
     b = sub.add_parser("batch", help="run a notebook once per shard with papermill, on Dask")
     b.add_argument(

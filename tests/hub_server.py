@@ -14,6 +14,7 @@ when the test ends.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import re
@@ -23,7 +24,7 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-LFS_SUFFIXES = (".safetensors", ".model")  # stored in LFS on the real Hub: these have a SHA-256 oid
+LFS_SUFFIXES = (".safetensors", ".model", ".gguf")  # stored in LFS on the real Hub: these have a SHA-256 oid
 
 
 def git_blob_id(data: bytes) -> str:
@@ -48,8 +49,12 @@ class HubServer:
             for p in sorted(Path(root).rglob("*"))
             if p.is_file()
         }
-        self.commits: dict[str, dict[str, bytes]] = {}
-        self.branches: dict[str, str] = {}
+        self.repos: dict[str, tuple[dict[str, dict[str, bytes]], dict[str, str]]] = {repo: ({}, {})}
+        self.blobs: dict[str, bytes] = {}  # LFS objects uploaded, by SHA-256
+        self.uploads: list[str] = []  # oids PUT, in order
+        self.commit_log: list[tuple[str, str, list[str]]] = []  # (repo, commit, paths) of pushed commits
+        self.upload_faults = False  # every third PUT answers 500 (huggingface_hub retries it)
+        self._puts = 0
         self.first = self._new_commit(files, "initial commit")
         server = self
 
@@ -65,18 +70,41 @@ class HubServer:
             def do_GET(self) -> None:
                 server.handle(self, head=False)
 
+            def do_POST(self) -> None:
+                server.handle_write(self, "POST")
+
+            def do_PUT(self) -> None:
+                server.handle_write(self, "PUT")
+
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
     # --- the repo ---
-    def _new_commit(self, files: dict[str, bytes], message: str) -> str:
+    @property
+    def commits(self) -> dict[str, dict[str, bytes]]:
+        return self.repos[self.repo][0]
+
+    @property
+    def branches(self) -> dict[str, str]:
+        return self.repos[self.repo][1]
+
+    def _new_commit(
+        self, files: dict[str, bytes], message: str, repo: str | None = None, branch: str = "main"
+    ) -> str:
+        commits, branches = self.repos[repo or self.repo]
         with self.lock:
-            parent = self.branches.get("main", "")
-            sha = hashlib.sha1(f"{parent}\n{message}\n{len(self.commits)}".encode()).hexdigest()
-            self.commits[sha] = dict(files)
-            self.branches["main"] = sha
+            parent = branches.get(branch, "")
+            sha = hashlib.sha1(
+                f"{repo}\n{parent}\n{message}\n{len(commits)}\n{time.time()}".encode()
+            ).hexdigest()
+            commits[sha] = dict(files)
+            branches[branch] = sha
         return sha
+
+    def files_of(self, repo: str, rev: str = "main") -> dict[str, bytes]:
+        commits, branches = self.repos[repo]
+        return commits[branches.get(rev, rev)]
 
     def commit(self, changes: dict[str, bytes | None], message: str = "update") -> str:
         """A new commit on main: each path set to its bytes (None deletes it). Returns its id."""
@@ -133,13 +161,14 @@ class HubServer:
 
     def _resolve(self, h: BaseHTTPRequestHandler, repo: str, rev: str) -> str | None:
         """The commit id of ``rev`` (a branch or a commit), or None with the Hub's 404 sent."""
-        if repo != self.repo:
+        if repo not in self.repos:
             self._error(h, 404, "RepoNotFound", f"Repository {repo} not found")
             return None
         if self.token and h.headers.get("Authorization") != f"Bearer {self.token}":
             self._error(h, 401, "RepoNotFound", "Invalid credentials in Authorization header")
             return None
-        commit = self.branches.get(rev, rev if rev in self.commits else None)
+        commits, branches = self.repos[repo]
+        commit = branches.get(rev, rev if rev in commits else None)
         if commit is None:
             self._error(h, 404, "RevisionNotFound", f"Invalid rev id: {rev}")
         return commit
@@ -149,7 +178,7 @@ class HubServer:
         if commit is None:
             return
         siblings = []
-        for path, data in sorted(self.commits[commit].items()):
+        for path, data in sorted(self.repos[repo][0][commit].items()):
             s = {"rfilename": path, "size": len(data), "blobId": git_blob_id(data)}
             if path.endswith(LFS_SUFFIXES):
                 s["lfs"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "pointerSize": 134}
@@ -182,7 +211,7 @@ class HubServer:
         commit = self._resolve(h, m["repo"], m["rev"])
         if commit is None:
             return
-        data = self.commits[commit].get(m["file"])
+        data = self.repos[m["repo"]][0][commit].get(m["file"])
         if data is None:
             return self._error(h, 404, "EntryNotFound", f"{m['file']} does not exist on {m['rev']}")
         if self.faults and not head and n % 7 == 0:
@@ -240,3 +269,126 @@ class HubServer:
                 return
             if self.throttle:
                 time.sleep(min(len(body) - i, step) / self.throttle)
+
+    # --- the write side: create a repo, pre-upload, LFS batch and PUT, commit ---
+    def _json(self, h: BaseHTTPRequestHandler, data: object, status: int = 200) -> None:
+        body = json.dumps(data).encode()
+        h.send_response(status)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+
+    def handle_write(self, h: BaseHTTPRequestHandler, method: str) -> None:
+        if h.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            parts = []
+            while (size := int(h.rfile.readline().split(b";")[0].strip() or b"0", 16)) > 0:
+                parts.append(h.rfile.read(size))
+                h.rfile.readline()
+            h.rfile.readline()
+            body = b"".join(parts)
+        else:
+            length = int(h.headers.get("Content-Length", "0") or 0)
+            body = h.rfile.read(length) if length else b""
+        path = urllib.parse.unquote(h.path.split("?")[0])
+        with self.lock:
+            self.requests.append((method, h.path, ""))
+        if time.monotonic() < self._down_until:
+            return self._drop(h)
+        if (
+            self.token
+            and h.headers.get("Authorization") != f"Bearer {self.token}"
+            and not path.startswith("/lfs-upload/")
+        ):
+            return self._error(h, 401, "", "Invalid credentials in Authorization header")
+        if method == "PUT" and (m := re.fullmatch(r"/lfs-upload/(?P<oid>[0-9a-f]{64})", path)):
+            with self.lock:
+                self._puts += 1
+                fail = self.upload_faults and self._puts % 3 == 0
+            if fail:
+                return self._error(h, 500, "", "Internal Server Error")
+            if hashlib.sha256(body).hexdigest() != m["oid"]:
+                return self._error(h, 400, "", "the uploaded bytes do not match their oid")
+            with self.lock:
+                self.blobs[m["oid"]] = body
+                self.uploads.append(m["oid"])
+            return self._json(h, {})
+        if path == "/api/validate-yaml":
+            return self._json(h, {"warnings": [], "errors": []})
+        if path == "/api/repos/create":
+            req = json.loads(body)
+            name = f"{req['organization']}/{req['name']}" if req.get("organization") else req["name"]
+            if name in self.repos:
+                return self._json(
+                    h, {"error": "You already created this model repo", "url": f"{self.url}/{name}"}, 409
+                )
+            self.repos[name] = ({}, {})
+            self._new_commit(
+                {".gitattributes": b"*.gguf filter=lfs diff=lfs merge=lfs -text\n"}, "initial commit", name
+            )
+            return self._json(h, {"url": f"{self.url}/{name}", "name": name})
+        m = re.fullmatch(
+            r"/api/models/(?P<repo>[^/]+/[^/]+)/(?P<what>preupload|commit|branch)/(?P<rev>.+)", path
+        )
+        if m and m["what"] == "branch":
+            commits, branches = self.repos[m["repo"]]
+            branches.setdefault(m["rev"], branches["main"])
+            return self._json(h, {})
+        if m and m["what"] == "preupload":
+            req = json.loads(body)
+            files = self.files_of(m["repo"], m["rev"]) if m["rev"] in self.repos[m["repo"]][1] else {}
+            out = []
+            for f in req["files"]:
+                lfs = f["path"].endswith(LFS_SUFFIXES)
+                old = files.get(f["path"])
+                oid = (
+                    (hashlib.sha256(old).hexdigest() if lfs else git_blob_id(old))
+                    if old is not None
+                    else None
+                )
+                out.append(
+                    {
+                        "path": f["path"],
+                        "uploadMode": "lfs" if lfs else "regular",
+                        "shouldIgnore": False,
+                        "oid": oid,
+                    }
+                )
+            return self._json(h, {"files": out, "commitOid": self.repos[m["repo"]][1].get(m["rev"])})
+        if m and m["what"] == "commit":
+            lines = [json.loads(line) for line in body.splitlines() if line.strip()]
+            branch = m["rev"]
+            commits, branches = self.repos[m["repo"]]
+            files = dict(commits[branches[branch]]) if branch in branches else dict(commits[branches["main"]])
+            paths = []
+            for item in lines:
+                v = item["value"]
+                if item["key"] == "file":
+                    files[v["path"]] = base64.b64decode(v["content"])
+                elif item["key"] == "lfsFile":
+                    if v["oid"] not in self.blobs:
+                        return self._error(h, 400, "", f"LFS object {v['oid']} was never uploaded")
+                    files[v["path"]] = self.blobs[v["oid"]]
+                elif item["key"] in ("deletedFile", "deletedFolder"):
+                    files = {
+                        p: d for p, d in files.items() if p != v["path"] and not p.startswith(v["path"] + "/")
+                    }
+                else:
+                    continue
+                paths.append(v["path"])
+            sha = self._new_commit(files, lines[0]["value"].get("summary", ""), m["repo"], branch)
+            self.commit_log.append((m["repo"], sha, paths))
+            return self._json(
+                h, {"commitUrl": f"{self.url}/{m['repo']}/commit/{sha}", "commitOid": sha, "success": True}
+            )
+        m = re.fullmatch(r"/(?P<repo>[^/]+/[^/]+)\.git/info/lfs/objects/batch", path)
+        if m:
+            req = json.loads(body)
+            objects = []
+            for o in req["objects"]:
+                entry = {"oid": o["oid"], "size": o["size"], "authenticated": True}
+                if o["oid"] not in self.blobs:
+                    entry["actions"] = {"upload": {"href": f"{self.url}/lfs-upload/{o['oid']}", "header": {}}}
+                objects.append(entry)
+            return self._json(h, {"transfer": "basic", "objects": objects})
+        return self._error(h, 404, "", f"no such endpoint: {method} {path}")

@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from dask_helpers import dask_cluster, wait_workers
 from hub_server import HubServer
 
 REPO = "moonshotai/Kimi-K3"
-DASK = str(Path(sys.executable).parent / "dask")
 # huggingface_hub writes 10 MB chunks; with 64 KiB ones a cut in a 400 KB test shard is resumed from
 # the middle, and a throttled download reports progress, as a 16 GB shard's does
 LAUNCHER = (
@@ -31,54 +31,8 @@ LAUNCHER = (
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A scheduler and two single-threaded workers, as a user starts them; yields the address."""
-    tmp = tmp_path_factory.mktemp("cluster")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "DASK_"))}
-    env["DASK_DISTRIBUTED__WORKER__DAEMON"] = "False"
-    sched_file = tmp / "scheduler.json"
-    procs = [
-        subprocess.Popen(
-            [DASK, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard"]
-            + ["--scheduler-file", str(sched_file)],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    ]
-    try:
-        for _ in range(300):
-            if sched_file.exists() and sched_file.stat().st_size:
-                break
-            time.sleep(0.1)
-        address = json.loads(sched_file.read_text())["address"]
-        for i in range(2):
-            procs.append(
-                subprocess.Popen(
-                    [DASK, "worker", address, "--nworkers", "1", "--nthreads", "1", "--no-dashboard"]
-                    + ["--host", "127.0.0.1", "--name", f"w{i}", "--local-directory", str(tmp / f"w{i}")],
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
-            )
-        _wait_workers(address, 2)
+    with dask_cluster(tmp_path_factory.mktemp("cluster")) as (address, _):
         yield address
-    finally:
-        for p in procs:
-            os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-
-
-def _wait_workers(address: str, n: int) -> None:
-    from distributed import Client
-
-    with Client(address, timeout=60) as client:
-        client.wait_for_workers(n, timeout=90)
 
 
 def _env(hub: HubServer, tmp: Path) -> dict[str, str]:
@@ -353,7 +307,7 @@ def test_a_killed_download_is_removed_by_the_next_task(
             assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
     finally:
         holder.kill()
-        _wait_workers(cluster, 2)
+        wait_workers(cluster, 2)
 
 
 def test_a_download_that_is_not_the_listed_bytes_is_refused(tiny_src: Path, tmp_path: Path) -> None:

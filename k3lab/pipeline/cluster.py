@@ -83,9 +83,11 @@ def run_on_dask(
     results: list,
     failures: dict[int, K3LabError],
     plan_bytes: Callable[[int], int],
+    plan_state: dict[str, bytes] | None = None,
 ) -> None:
     """``run_task(task, k)`` for each k on the cluster at ``scheduler``; results and failures by file
-    (``plan_bytes(k)``: file k's source bytes, its share of the bar)."""
+    (``plan_bytes(k)``: file k's source bytes, its share of the bar). ``plan_state``: the saved plan's
+    files, sent once to each worker that writes a folder of its own."""
     import dataclasses
     from concurrent.futures import CancelledError
 
@@ -102,8 +104,10 @@ def run_on_dask(
     inbox: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
     client.subscribe_topic(channel, lambda event: inbox.put(event[1]))
     stop = Event(channel, client=client)
+    shared = client.scatter(plan_state, hash=False) if plan_state is not None else None
     futures = {
-        client.submit(run_task, task, k, key=f"k3lab-{task.run_token[:12]}-{k}", pure=False): k for k in todo
+        client.submit(run_task, task, k, None, shared, key=f"k3lab-{task.run_token[:12]}-{k}", pure=False): k
+        for k in todo
     }
 
     def drain() -> None:

@@ -106,6 +106,8 @@ class FileResult:
     seconds: float
     nbytes: int
     worker: str = field(default_factory=worker_name)  # host:pid of the process that did it
+    record: dict[str, Any] | None = None  # published: the file's record (the client keeps it)
+    upload: Any = None  # published: the uploaded file's operation, for the client's commit
 
 
 def file_kvs(plan: Plan, number: int, folder: OutputFolder) -> list[KV]:

@@ -241,6 +241,28 @@ class OutputFolder:
             return None
 
     # --- the plan and file 1's KVs ----------------------------------------------------------------
+    def export_plan(self) -> dict[str, bytes]:
+        """The saved plan's state files as they are on disk, for a worker with a folder of its own."""
+        return {
+            name: read_bounded(self.state / name, STATE_LIMITS[kind], f"{kind} file", follow=False)
+            for name, kind in ((KVS_NAME, "kvs"), (PLAN_NAME, "plan"))
+        }
+
+    def import_plan(self, blobs: dict[str, bytes]) -> None:
+        """Install a plan exported from another folder (KVs first), unless these very bytes are
+        there; it is then loaded, and so proven, like any saved plan."""
+        self.create()
+        for name in (KVS_NAME, PLAN_NAME):
+            try:
+                same = (
+                    read_bounded(self.state / name, len(blobs[name]) + 1, "state file", follow=False)
+                    == blobs[name]
+                )
+            except InputFileError:
+                same = False
+            if not same:
+                self.write_atomically(self.state / name, lambda fh, data=blobs[name]: fh.write(data))
+
     def save_plan(self, plan: Plan, kvs: list[KV]) -> Path:
         """The KVs first, then the plan naming their digest: whichever write an interrupt stops,
         the plan on disk either has its KVs or reads as absent (and is made again)."""
@@ -363,12 +385,17 @@ class OutputFolder:
         """Names of record files that do not read as records (for verify to report)."""
         return [name for name, rec in self._each_record() if rec is None]
 
-    def merge(self) -> Path:
+    def merge(self, published: dict[str, str] | None = None) -> Path:
         """Rebuild ``MANIFEST.json`` from the records, streaming: at real scale the records add up to
-        tens of MB, and one is in memory at a time."""
+        tens of MB, and one is in memory at a time. ``published``: the repo, branch and commit the
+        set was pushed to."""
 
         def write(fh: BinaryIO) -> None:
-            fh.write(b'{\n "files": [')
+            if published:
+                fh.write(b'{\n "published": ' + json.dumps(published, sort_keys=True).encode() + b",")
+            else:
+                fh.write(b"{")
+            fh.write(b'\n "files": [')
             sep = b"\n"
             for _, rec in self._each_record():
                 if rec is not None:
@@ -389,6 +416,13 @@ class OutputFolder:
         return records_of_manifest(man, str(path))
 
     # --- cleaning up -------------------------------------------------------------------------------
+    def remove_output(self, name: str) -> None:
+        """Delete a finished output file once it is published (a regular file only: a symlink or
+        anything else of that name is left alone)."""
+        path = self.output(name)
+        if _is_regular_file(path):
+            path.unlink()
+
     def remove_partials(self) -> list[Path]:
         """Delete the ``*.partial`` files a killed run left: regular files of k3lab's naming only
         (``NAME.gguf.partial`` here, ``NAME.PID.partial`` in ``.k3lab/``), never a symlink's target.

@@ -119,6 +119,10 @@ def is_transient(e: BaseException) -> bool:
     status = _status(e)
     if isinstance(e, HfHubHTTPError) and status is not None:
         return status in (408, 429) or status >= 500
+    # hf_xet (Xet storage) reports a refusal as a ConnectionError naming the HTTP status
+    refused = re.search(r"status client error \((\d{3})", str(e))
+    if refused and int(refused[1]) not in (408, 429):
+        return False
     if isinstance(e, (httpx2.TransportError, ConnectionError, TimeoutError)):
         return True
     return isinstance(e, OSError) and "Consistency check failed" in str(e)  # a transfer cut short

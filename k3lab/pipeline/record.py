@@ -94,6 +94,8 @@ class Record:
     source: dict[str, Any] = field(default_factory=dict)
     # files outside the split set: the record's name in .k3lab/
     key: str = ""
+    # once published: the whole file's SHA-256 (its LFS oid on the Hub)
+    sha256: str = ""
 
     @property
     def is_text(self) -> bool:
@@ -126,6 +128,8 @@ class Record:
             }
         else:
             out["key"] = self.key
+        if self.sha256:
+            out["sha256"] = self.sha256
         return out
 
     @classmethod
@@ -140,7 +144,10 @@ class Record:
                 shown = repr(rec.get(key))[:40]
                 raise ManifestError(f"{where}: field {key!r} is missing or malformed ({shown})")
         _check_tensors(rec, where)
-        return cls(**{k: rec[k] for k in fields})
+        sha = rec.get("sha256", "")
+        if sha and not (isinstance(sha, str) and _HEX64.fullmatch(sha)):
+            raise ManifestError(f"{where}: field 'sha256' is malformed ({repr(sha)[:40]})")
+        return cls(**{k: rec[k] for k in fields}, sha256=sha)
 
 
 def _check_tensors(rec: dict[str, Any], where: str) -> None:

@@ -35,6 +35,8 @@ from k3lab.pipeline.model import Model
 from k3lab.pipeline.plan import Plan
 from k3lab.pipeline.planner import make_plan, plan_options, still_current
 from k3lab.pipeline.progress import RunProgress, TaskReport
+from k3lab.pipeline.publish import Committer, Publication, PushTarget, open_target, published, upload
+from k3lab.pipeline.record import Record
 from k3lab.pipeline.sources import SourceSpec
 
 
@@ -77,6 +79,8 @@ class Task:
     force: bool = False
     run_token: str = ""  # the run holding the folder: a task renames nothing once it does not
     channel: str = ""  # on Dask: the run's event topic and stop Event (see ``cluster``)
+    push: PushTarget | None = None  # publish each finished file there (see ``publish``)
+    private: bool = False  # each Dask worker writes into a folder of its own (needs ``push``)
 
 
 @functools.lru_cache(maxsize=2)
@@ -99,32 +103,71 @@ def _task_report(task: Task, number: int) -> TaskReport:
     return TaskReport(number, q.put if q is not None else None)
 
 
-def run_task(task: Task, number: int, next_number: int | None = None) -> FileResult:
-    """Convert output file ``number``: the task every runner runs."""
+def worker_folder(task: Task) -> tuple[str, SourceSpec]:
+    """Where this task writes, and the source it reads: the run's folder, or (``private``) a folder
+    of this Dask worker's own, ``<worker local directory>/k3lab/out-<plan digest>``, with its
+    downloads in ``.../k3lab/scratch``."""
+    if not task.private:
+        return task.out_dir, task.source
+    from distributed import get_worker
+
+    root = Path(get_worker().local_directory) / "k3lab"
+    return str(root / f"out-{task.plan_digest[:16]}"), task.source.with_options(
+        {"scratch": str(root / "scratch")}
+    )
+
+
+def run_task(
+    task: Task, number: int, next_number: int | None = None, plan_state: dict[str, bytes] | None = None
+) -> FileResult:
+    """Convert output file ``number`` (and, with ``push``, publish it): the task every runner runs.
+    ``plan_state``: the saved plan's files, for a worker writing a folder of its own."""
     report = _task_report(task, number)
     report.started(worker_name())
     try:
         report.check(now=True)  # a task the scheduler started as its run stopped does nothing
-        plan = _task_plan(task.model, task.out_dir, task.plan_digest)
-        source = task.source.open()
+        out_dir, spec = worker_folder(task)
+        folder = OutputFolder(out_dir)
+        if plan_state is not None:
+            folder.import_plan(plan_state)
+        plan = _task_plan(task.model, out_dir, task.plan_digest)
+        source = spec.open()
         if next_number is not None:
             ahead = TaskReport(next_number, report.emit, report.stop)
             source.prefetch(plan.file(next_number).source_file, ahead)
-        folder = OutputFolder(task.out_dir)
 
         def before_commit() -> None:
             report.check(now=True)
-            if task.run_token:
+            if task.run_token and not task.private:
                 folder.check_held(task.run_token)
 
         global _converting
         _converting += 1
         try:
-            return convert_file(plan, number, source, task.out_dir, task.force, report, before_commit)
+            result = convert_file(plan, number, source, out_dir, task.force, report, before_commit)
+            if task.push is not None:
+                _publish_file(task.push, folder, plan.file(number).filename, number, report, result)
+            return result
         finally:
             _converting -= 1
     finally:
         report.ended()
+
+
+def _publish_file(
+    push: PushTarget, folder: OutputFolder, filename: str, number: int, report: TaskReport, result: FileResult
+) -> None:
+    """Upload a finished file from this machine; its record gains the file's SHA-256 and travels back
+    with the uploaded operation; the local copy goes unless ``keep_local``."""
+    record = folder.text_record(number)
+    if record is None:  # convert_file has just written or found it: never
+        raise K3LabError(f"{folder.output(filename)}: no record after converting it")
+    result.upload = upload(push, folder.output(filename), report)
+    record.sha256 = result.upload.upload_info.sha256.hex()
+    folder.write_record(record)
+    result.record = record.to_json()
+    if not push.keep_local:
+        folder.remove_output(filename)
 
 
 _converting = 0  # conversions running in this process (a SIGTERM then has cleaning up to do)
@@ -287,34 +330,68 @@ def convert_shards(
     scheduler: str | None = None,
     options: RunOptions = RunOptions(),
     run_token: str | None = None,
+    publication: Publication | None = None,
 ) -> list[FileResult]:
     """Convert the given output files (a list, a ``--shards`` string, or None: all), in this process,
     ``jobs`` at a time, or one Dask task each on the cluster at ``scheduler``; merge the manifest.
-    Progress: none when ``quiet`` (errors only); shown on a terminal only when False; always when
-    None (a notebook, whose output is no terminal)."""
+    With ``publication``, every task publishes its file to the Hub repo from where it ran (on Dask
+    each worker writes into a folder of its own: nothing is shared but the Hub) and the run commits
+    them. Progress: none when ``quiet`` (errors only); shown on a terminal only when False; always
+    when None (a notebook, whose output is no terminal)."""
     say = None if quiet else _say
     with start_run(model, spec, out_dir, options, run_token, shards, say) as (plan, token, numbers):
         spec = spec.with_options(plan.inputs.get("pinned") or {})  # every task reads what was planned
-        task = Task(plan.model, str(out_dir), spec, plan.inputs_digest, options.force, token)
-        return _convert_planned(plan, task, numbers, jobs, quiet, scheduler)
+        push = publication.target if publication else None
+        private = bool(push and scheduler)
+        task = Task(
+            plan.model, str(out_dir), spec, plan.inputs_digest, options.force, token, "", push, private
+        )
+        return _convert_planned(plan, task, numbers, jobs, quiet, scheduler, publication)
 
 
 def _say(line: str) -> None:
     print(f"k3lab: {line}", file=sys.stderr, flush=True)
 
 
+class Results(list):
+    """The run's finished files; ``then(result)`` hears of each new one as it arrives (the commits of
+    a published run)."""
+
+    def __init__(self, then: Callable[[FileResult], None] | None = None):
+        super().__init__()
+        self.then = then
+
+    def append(self, result: FileResult) -> None:
+        super().append(result)
+        if self.then is not None and not result.skipped:
+            self.then(result)
+
+
 def _convert_planned(
-    plan: Plan, task: Task, numbers: list[int], jobs: int, quiet: bool | None, scheduler: str | None
+    plan: Plan,
+    task: Task,
+    numbers: list[int],
+    jobs: int,
+    quiet: bool | None,
+    scheduler: str | None,
+    publication: Publication | None = None,
 ) -> list[FileResult]:
     folder = OutputFolder(task.out_dir)
-    results: list[FileResult] = []
+    committer = _committer(plan, publication, task.force) if publication else None
+    results = Results(functools.partial(_record_published, folder, committer) if committer else None)
     todo = []
     for k in numbers:  # complete files are found here, not sent anywhere
         pf = plan.file(k)
-        if not task.force and folder.is_complete(k, pf.filename, pf.digest):
+        if committer is not None:
+            done = None if task.force else published(committer.state, pf.filename, pf.digest)
+            if done is not None:  # in the repo already: its record is the resume evidence
+                folder.write_record(done)
+                results.append(FileResult(k, pf.filename, True, 0.0, pf.nbytes))
+                continue
+        elif not task.force and folder.is_complete(k, pf.filename, pf.digest):
             results.append(FileResult(k, pf.filename, True, 0.0, pf.nbytes))
-        else:
-            todo.append(k)
+            continue
+        todo.append(k)
     failures: dict[int, K3LabError] = {}
     disable = {True: True, False: None, None: False}[quiet]  # tqdm's None: bars on a terminal only
     bar = tqdm(
@@ -326,6 +403,7 @@ def _convert_planned(
     )
     progress = RunProgress(bar)
     late: list[BaseException] = []
+    stopped = True
     try:
         if todo and scheduler:
             from k3lab.pipeline.cluster import run_on_dask
@@ -339,19 +417,27 @@ def _convert_planned(
                 results,
                 failures,
                 lambda k: plan.file(k).source_bytes,
+                folder.export_plan() if task.private else None,
             )
         elif todo and jobs <= 1:
             _run_here(task, todo, progress, results, failures)
         elif todo:
             _run_pool(task, todo, jobs, progress, results, failures)
+        stopped = False
     finally:
         for r in results:
             if not r.skipped:
                 progress.finished(r.number, plan.file(r.number).source_bytes)
         bar.close()
         task.source.open().close()
+        published_to = None
+        if committer is not None and not stopped:  # (Ctrl-C: nothing more is written)
+            try:
+                published_to = _final_commit(committer, plan, publication, complete=not failures)
+            except K3LabError as e:
+                late.append(e)
         try:
-            folder.merge()
+            folder.merge(published_to)
         except K3LabError as e:  # (a full disk) reported after the errors that came first
             late.append(e)
     if failures:
@@ -366,6 +452,37 @@ def _convert_planned(
     if late:
         raise late[0]
     return sorted(results, key=lambda r: r.number)
+
+
+def _committer(plan: Plan, publication: Publication, force: bool) -> Committer:
+    """The target repo opened (made if missing; another set there refused unless --force)."""
+    planned = {pf.filename: pf.digest for pf in plan.files}
+    state = open_target(publication.target, planned, force or publication.force)
+    # --force: the other set's split files go in the same commits as this one's
+    stale = tuple(r.file for r in state.records.values() if r.is_text and r.file not in planned)
+    return Committer(publication.target, state, publication.commit_every, stale)
+
+
+def _record_published(folder: OutputFolder, committer: Committer, result: FileResult) -> None:
+    """A task's published file: its record kept here (the worker's folder may be another machine's)
+    and its upload committed with the next batch."""
+    if result.record is None:
+        return
+    record = Record.from_json(result.record, f"the result of output file {result.number}")
+    folder.write_record(record)
+    committer.add(result.upload, record)
+
+
+def _final_commit(
+    committer: Committer, plan: Plan, publication: Publication, complete: bool
+) -> dict[str, str]:
+    """The last commit: what is pending and the manifest, and (the set complete) the extra files."""
+    records = list(committer.records.values())
+    whole = complete and {r.file for r in records if r.is_text} >= {pf.filename for pf in plan.files}
+    extra = publication.extra_files(plan, records) if whole and publication.extra_files else None
+    commit = committer.commit(extra, "k3lab: the whole set" if extra else "")
+    target = publication.target
+    return {"repo": target.repo, "branch": target.branch, "commit": commit or committer.state.commit}
 
 
 def _run_here(task: Task, todo: list[int], progress: RunProgress, results: list, failures: dict) -> None:

@@ -1,0 +1,339 @@
+"""Publishing a set to a Hugging Face repo from wherever its files are made.
+
+- ``open_target`` makes the repo (and branch) if missing and reads what it holds: every file's
+  SHA-256 (one ``model_info`` call) and its ``MANIFEST.json``. A repo holding another set (a file of
+  this set's name made by another plan, or split files this plan does not make) is refused, one
+  line, unless ``force`` (then this set replaces it, the other's files deleted in the same commits).
+- ``published`` is the resume test: the repo's record of a file carries this plan's digest and its
+  SHA-256 is the file's in the repo. Such a file is neither converted nor uploaded again.
+- ``upload`` runs in the task, on the machine that made the file: huggingface_hub's
+  ``preupload_lfs_files`` sends its bytes to LFS storage (no commit yet; a blob the Hub already
+  has is not sent again), retried within the same budget as downloads. The task returns the
+  uploaded operation (no bytes: huggingface_hub frees them) and the record, with the file's SHA-256.
+- ``Committer`` (on the client) commits the uploaded files as they arrive, one commit per batch (at
+  most every ``every`` seconds), each with the repo's ``MANIFEST.json`` brought up to date, so a
+  killed run keeps what was committed; the last commit also adds the extra files (the model card,
+  ``TENSOR_MAP.md``).
+
+``HF_TOKEN`` travels in memory only (``PushTarget.token``): never written, never shown.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from string import Template
+from typing import Any
+
+from k3lab.errors import K3LabError
+from k3lab.pipeline.hub import RETRY_BUDGET, with_retries
+from k3lab.pipeline.progress import NO_REPORT, TaskReport
+from k3lab.pipeline.record import FORMAT, ManifestError, Record, records_of_manifest
+
+MANIFEST_NAME = "MANIFEST.json"
+COMMIT_EVERY = 300.0  # seconds between two commits of a run (a killed run keeps what was committed)
+MANIFEST_LIMIT = 1 << 30
+
+
+class _NoEmptyCommitNote(logging.Filter):
+    """huggingface_hub's "No files have been modified ... Skipping" is k3lab's own decision to make
+    (and say): not a line on the terminal."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No files have been modified")
+
+
+logging.getLogger("huggingface_hub.hf_api").addFilter(_NoEmptyCommitNote())
+
+
+class PublishError(K3LabError):
+    """The target repo cannot take this set (it holds another one): one line, exit 2."""
+
+
+@dataclass(frozen=True)
+class PushTarget:
+    """Where a set is published: plain values, sent to every worker that uploads."""
+
+    repo: str
+    branch: str = "main"
+    private: bool = False
+    keep_local: bool = False
+    endpoint: str | None = None
+    token: str | None = field(default=None, repr=False)
+    retry_budget: float = RETRY_BUDGET
+
+    def api(self) -> Any:
+        from huggingface_hub import HfApi
+
+        return HfApi(endpoint=self.endpoint, token=self.token)
+
+    def where(self, path: str = "") -> str:
+        return f"{self.repo}@{self.branch}" + (f": {path}" if path else "")
+
+
+@dataclass
+class RepoState:
+    """What the target repo holds at its branch."""
+
+    commit: str
+    files: dict[str, str]  # path -> SHA-256 (LFS) or "git-<blob id>"
+    records: dict[str, Record]  # file name -> its record in the repo's MANIFEST.json
+
+
+def open_target(target: PushTarget, planned: dict[str, str], force: bool = False) -> RepoState:
+    """Make the repo and branch if missing and read what they hold; ``planned``: file name -> digest
+    of every file this set has. Refuses a repo holding another set unless ``force``."""
+    api = target.api()
+    budget = target.retry_budget
+    with_retries(
+        f"{target.repo}: create",
+        lambda: api.create_repo(target.repo, private=target.private, exist_ok=True),
+        budget,
+    )
+    if target.branch != "main":
+        with_retries(
+            target.where("create branch"),
+            lambda: api.create_branch(target.repo, branch=target.branch, exist_ok=True),
+            budget,
+        )
+    state = read_repo(target)
+    if not force:
+        for rec in state.records.values():
+            if (
+                rec.is_text
+                and planned.get(rec.file, rec.plan_digest) != rec.plan_digest
+                or (rec.is_text and rec.file not in planned)
+            ):
+                raise PublishError(
+                    f"{target.where(rec.file)}: the repo holds another set (made by another plan); "
+                    "give --force to replace it, or push to another repo or --push-branch"
+                )
+    return state
+
+
+def read_repo(target: PushTarget) -> RepoState:
+    api = target.api()
+    info = with_retries(
+        target.where(),
+        lambda: api.model_info(target.repo, revision=target.branch, files_metadata=True),
+        target.retry_budget,
+    )
+    files = {
+        s.rfilename: (s.lfs.sha256 if s.lfs is not None else f"git-{s.blob_id}") for s in info.siblings or []
+    }
+    records: dict[str, Record] = {}
+    if MANIFEST_NAME in files:
+        from huggingface_hub import hf_hub_url
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+        url = hf_hub_url(target.repo, MANIFEST_NAME, revision=info.sha, endpoint=target.endpoint)
+
+        def get() -> bytes:
+            r = get_session().get(
+                url, headers=build_hf_headers(token=target.token), follow_redirects=True, timeout=60
+            )
+            hf_raise_for_status(r)
+            if len(r.content) > MANIFEST_LIMIT:
+                raise PublishError(f"{target.where(MANIFEST_NAME)}: larger than any k3lab manifest")
+            return r.content
+
+        raw = with_retries(target.where(MANIFEST_NAME), get, target.retry_budget)
+        try:
+            recs = records_of_manifest(json.loads(raw), target.where(MANIFEST_NAME))
+        except (ValueError, ManifestError) as e:
+            raise PublishError(f"{target.where(MANIFEST_NAME)}: not a k3lab manifest ({e})") from None
+        records = {r.file: r for r in recs}
+    return RepoState(info.sha, files, records)
+
+
+def published(state: RepoState, filename: str, digest: str | None) -> Record | None:
+    """The repo's record of ``filename`` when the repo holds exactly that file of this plan."""
+    rec = state.records.get(filename)
+    if rec is None or not rec.sha256 or state.files.get(filename) != rec.sha256:
+        return None
+    if digest is not None and rec.plan_digest != digest:
+        return None
+    return rec
+
+
+def upload(target: PushTarget, path: Path, report: TaskReport = NO_REPORT) -> Any:
+    """Send one finished file's bytes to the repo's LFS storage (no commit); returns the operation
+    to commit (its SHA-256 in ``upload_info``)."""
+    from huggingface_hub import CommitOperationAdd
+    from huggingface_hub.utils import disable_progress_bars
+
+    disable_progress_bars()  # k3lab's one bar shows the run; huggingface_hub's would write over it
+    api = target.api()
+    op = CommitOperationAdd(path.name, str(path))
+
+    def send() -> None:
+        report.check()
+        api.preupload_lfs_files(target.repo, additions=[op], revision=target.branch, free_memory=True)
+
+    with_retries(target.where(path.name), send, target.retry_budget, report)
+    report.check(now=True)
+    return op
+
+
+class Committer:
+    """Commits uploaded files as they arrive: a batch at a time, with the repo's manifest."""
+
+    def __init__(
+        self, target: PushTarget, state: RepoState, every: float = COMMIT_EVERY, stale: tuple[str, ...] = ()
+    ):
+        self.target, self.state, self.every = target, state, every
+        self.records: dict[str, Record] = dict(state.records)
+        self.pending: list[Any] = []
+        self.stale = list(stale)  # files of another set to delete (--force)
+        self.last = time.monotonic()
+        self.commits: list[str] = []
+        self.uploaded = 0
+
+    def add(self, op: Any, record: Record) -> None:
+        self.records[record.file] = record
+        if op is not None:
+            self.pending.append(op)
+            self.uploaded += 1
+        if time.monotonic() - self.last >= self.every:
+            self.commit()
+
+    def manifest(self) -> bytes:
+        recs = sorted(self.records.values(), key=lambda r: (not r.is_text, r.number, r.file))
+        body = {
+            "files": [r.to_json() for r in recs],
+            "format": FORMAT,
+            "published": {"repo": self.target.repo, "branch": self.target.branch},
+        }
+        return json.dumps(body, indent=1, sort_keys=True).encode() + b"\n"
+
+    def commit(self, extra: dict[str, bytes] | None = None, message: str = "") -> str | None:
+        """One commit of what is pending (with the manifest, and ``extra`` files); None if nothing."""
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+        self.last = time.monotonic()
+        regular = {MANIFEST_NAME: self.manifest(), **(extra or {})}
+        if (
+            not self.pending
+            and not self.stale
+            and all(
+                self.state.files.get(name) == f"git-{git_blob_id(data)}" for name, data in regular.items()
+            )
+        ):
+            return None  # the repo holds all of it already: no empty commit
+        ops: list[Any] = list(self.pending)
+        ops += [CommitOperationDelete(p) for p in self.stale]
+        ops += [CommitOperationAdd(name, data) for name, data in regular.items()]
+        files = sum(1 for op in self.pending)
+        summary = (
+            message or f"k3lab: {files} file{'s' if files != 1 else ''} of {self.target.repo.split('/')[-1]}"
+        )
+        api = self.target.api()
+        info = with_retries(
+            self.target.where("commit"),
+            lambda: api.create_commit(
+                self.target.repo, operations=ops, commit_message=summary, revision=self.target.branch
+            ),
+            self.target.retry_budget,
+        )
+        for op in self.pending:
+            self.state.files[op.path_in_repo] = op.upload_info.sha256.hex()
+        for path in self.stale:
+            self.state.files.pop(path, None)
+        self.pending, self.stale = [], []
+        self.commits.append(info.oid)
+        self.state.commit = info.oid
+        self.state.files.update({name: f"git-{git_blob_id(data)}" for name, data in regular.items()})
+        return info.oid
+
+
+def git_blob_id(data: bytes) -> str:
+    """The id git (and the Hub) gives a small file's bytes."""
+    import hashlib
+
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def render_card(template: str, fields: dict[str, Any]) -> str:
+    """The model card: ``template`` (a file kept in the package) with ``$name`` fields filled in; a
+    field the template names and the run does not give is an error, never a blank."""
+    try:
+        return Template(template).substitute({k: str(v) for k, v in fields.items()})
+    except KeyError as e:
+        raise K3LabError(f"model card template: no value for ${e.args[0]}") from None
+
+
+def files_table(records: list[Record]) -> str:
+    from k3lab.util import human_bytes
+
+    rows = ["| file | size | tensors | SHA-256 |", "| --- | ---: | ---: | --- |"]
+    for r in sorted(records, key=lambda r: (not r.is_text, r.number, r.file)):
+        rows.append(f"| `{r.file}` | {human_bytes(r.size)} | {len(r.tensors)} | `{r.sha256[:16]}…` |")
+    return "\n".join(rows)
+
+
+ExtraFiles = Callable[[Any, list[Record]], dict[str, bytes]]  # (plan, records) -> {name: bytes}
+
+
+@dataclass
+class Publication:
+    """A run that publishes: the target, the extra files of its last commit (the model card,
+    ``TENSOR_MAP.md``: the front makes them), how often to commit, and whether to replace another set."""
+
+    target: PushTarget
+    extra_files: ExtraFiles | None = None
+    commit_every: float = COMMIT_EVERY
+    force: bool = False
+
+
+def publish_folder(model: Any, out_dir: str | Path, publication: Publication) -> tuple[int, int, str | None]:
+    """Push an existing local set (and its mmproj and standalone tokenizer, when there) the way a
+    run publishes: files the repo holds already (same SHA-256) are not sent again, the rest are
+    uploaded and committed in batches. Returns (uploaded, already there, the last commit)."""
+    import hashlib
+
+    from k3lab.formats.files import read_chunks
+    from k3lab.pipeline.folder import OutputFolder
+
+    folder = OutputFolder(out_dir)
+    plan = folder.require_plan(model)
+    with folder.hold():
+        records = folder.records()
+        text = {r.number: r for r in records if r.is_text}
+        for pf in plan.files:
+            if pf.number not in text or not folder.is_complete(pf.number, pf.filename, pf.digest):
+                raise PublishError(
+                    f"{folder.output(pf.filename)}: missing or not complete; convert the set first "
+                    "(`k3lab convert` with the same --out-dir)"
+                )
+        planned = {pf.filename: pf.digest for pf in plan.files}
+        state = open_target(publication.target, planned, publication.force)
+        stale = tuple(r.file for r in state.records.values() if r.is_text and r.file not in planned)
+        committer = Committer(publication.target, state, publication.commit_every, stale)
+        kept = 0
+        for rec in sorted(records, key=lambda r: (not r.is_text, r.number, r.file)):
+            path = folder.output(rec.file)
+            if not rec.sha256:  # its SHA-256 decides whether the repo has it already
+                h = hashlib.sha256()
+                for chunk in read_chunks(path, rec.size, "output file"):
+                    h.update(chunk)
+                rec.sha256 = h.hexdigest()
+                folder.write_record(rec)
+            if state.files.get(rec.file) == rec.sha256:
+                committer.add(None, rec)
+                kept += 1
+                continue
+            op = upload(publication.target, path)
+            committer.add(op, rec)
+        extra = (
+            publication.extra_files(plan, list(committer.records.values()))
+            if publication.extra_files
+            else None
+        )
+        commit = committer.commit(extra, "k3lab: the whole set")
+        target = publication.target
+        folder.merge({"repo": target.repo, "branch": target.branch, "commit": commit or state.commit})
+    return committer.uploaded, kept, commit

@@ -1,0 +1,244 @@
+"""Publishing to the Hub: a real scheduler and two workers whose folders are their own (each its
+`--local-directory`), a loopback Hub that takes uploads (pre-upload, LFS batch, PUT, commit) and keeps
+commits. The repo ends with the whole set, byte-identical to a local conversion, that `k3lab verify`
+passes on a snapshot and llama.cpp loads; a second run uploads nothing; a killed run, rerun, uploads
+only the rest; `k3lab publish` does the same for a local set."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from dask_helpers import dask_cluster
+from hub_server import HubServer
+from llama_support import needs_llama
+
+SOURCE = "moonshotai/Kimi-K3"
+TARGET = "k3lab-test/Kimi-K3-GGUF"
+TOKEN = "hf_publish_secret_0123456789"
+
+
+@pytest.fixture(scope="module")
+def private_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[Path]]]:
+    with dask_cluster(tmp_path_factory.mktemp("pcluster")) as found:
+        yield found
+
+
+def _env(hub: HubServer, tmp: Path) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "HF_ENDPOINT": hub.url,
+        "HF_HOME": str(tmp / "hf-home"),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
+    env["HF_TOKEN"] = TOKEN
+    env["HF_HUB_DISABLE_XET"] = "1"  # the loopback Hub speaks LFS (the real one also speaks Xet)
+    return env
+
+
+def _k3lab(hub: HubServer, tmp: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "k3lab.cli", *args],
+        env=_env(hub, tmp),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _convert_args(tmp: Path, *extra: str) -> list[str]:
+    return ["convert", "--repo", SOURCE, "--meta", str(tmp / "meta"), "--out-dir", str(tmp / "out"), *extra]
+
+
+def _repo_ggufs(hub: HubServer, repo: str = TARGET) -> dict[str, bytes]:
+    return {p: d for p, d in hub.files_of(repo).items() if p.endswith(".gguf")}
+
+
+def _snapshot(hub: HubServer, tmp: Path, dest: Path) -> Path:
+    """The repo downloaded as a user would, file by file with huggingface_hub (the loopback Hub has
+    no tree listing for snapshot_download)."""
+    code = (
+        "import sys; from huggingface_hub import HfApi, hf_hub_download\n"
+        "for s in HfApi().model_info(sys.argv[1]).siblings:\n"
+        "    hf_hub_download(sys.argv[1], s.rfilename, local_dir=sys.argv[2])\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, TARGET, str(dest)], env=_env(hub, tmp), capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    return dest
+
+
+def _no_token_on_disk(*roots: Path) -> None:
+    for root in roots:
+        for p in root.rglob("*"):
+            if p.is_file() and not p.is_symlink():
+                assert TOKEN.encode() not in p.read_bytes(), p
+
+
+def test_workers_that_share_nothing_publish_the_set(
+    private_cluster: tuple[str, list[Path]], tiny_src: Path, tiny_out: Path, tmp_path: Path
+) -> None:
+    address, worker_dirs = private_cluster
+    with HubServer(tiny_src, token=TOKEN) as hub:
+        hub.upload_faults = True
+        r = _k3lab(
+            hub, tmp_path, *_convert_args(tmp_path, "--push-to", TARGET, "--scheduler", address, "--quiet")
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "9 written" in r.stdout and "written by 2 processes" in r.stdout, r.stdout
+        # the repo holds the set, byte for byte the local conversion's
+        pushed = _repo_ggufs(hub)
+        assert sorted(pushed) == sorted(p.name for p in tiny_out.glob("*.gguf"))
+        for name, data in pushed.items():
+            assert data == (tiny_out / name).read_bytes(), name
+        files = hub.files_of(TARGET)
+        assert {"MANIFEST.json", "README.md", "TENSOR_MAP.md"} <= set(files)
+        card = files["README.md"].decode()
+        assert card.startswith("---\nbase_model: moonshotai/Kimi-K3\n") and "- kimi-k3\n" in card
+        assert f"huggingface-cli download {TARGET}" in card and "Kimi-K3-MXFP4-00001-of-00009.gguf" in card
+        assert "k3lab convert --repo moonshotai/Kimi-K3" in card and hub.first in card
+        assert "`kimi-k3.block_count`" in card
+        manifest = json.loads(files["MANIFEST.json"])
+        assert manifest["published"] == {"repo": TARGET, "branch": "main"}
+        import hashlib
+
+        for rec in manifest["files"]:
+            assert rec["sha256"] == hashlib.sha256(pushed[rec["file"]]).hexdigest()
+        # nothing was shared but the Hub: the client's folder holds no set, the workers' hold none now
+        assert not list((tmp_path / "out").glob("*.gguf"))
+        made = [d for d in worker_dirs if list(d.glob("**/k3lab/out-*/.k3lab/0*.json"))]
+        assert len(made) == 2  # both workers converted into folders of their own
+        assert not [p for d in worker_dirs for p in d.rglob("*.gguf")]
+        assert not [p for d in worker_dirs for p in d.rglob("k3lab-dl-*") if p.is_dir()]
+        local = json.loads((tmp_path / "out" / "MANIFEST.json").read_text())
+        assert local["published"] == {
+            "repo": TARGET,
+            "branch": "main",
+            "commit": hub.repos[TARGET][1]["main"],
+        }
+        _no_token_on_disk(tmp_path, *worker_dirs)
+
+        # a second run uploads nothing and commits nothing
+        puts, commits = len(hub.uploads), len(hub.commit_log)
+        again = _k3lab(
+            hub, tmp_path, *_convert_args(tmp_path, "--push-to", TARGET, "--scheduler", address, "--quiet")
+        )
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "0 written, 9 already complete" in again.stdout
+        assert (len(hub.uploads), len(hub.commit_log)) == (puts, commits)
+
+        # k3lab verify on a snapshot of the repo
+        snap = _snapshot(hub, tmp_path, tmp_path / "snap")
+    v = subprocess.run(
+        [sys.executable, "-m", "k3lab.cli", "verify", str(snap), "--quiet"], capture_output=True, text=True
+    )
+    assert v.returncode == 0 and "verify OK: 9 files" in v.stdout, v.stdout + v.stderr
+
+
+@needs_llama
+def test_llama_cpp_loads_the_set_downloaded_from_the_repo(
+    tiny_src: Path, tiny_out: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "local"
+    shutil.copytree(tiny_out, out)
+    with HubServer(tiny_src, token=TOKEN) as hub:
+        r = _k3lab(hub, tmp_path, "publish", str(out), TARGET)
+        assert r.returncode == 0, r.stderr[-2000:]
+        snap = _snapshot(hub, tmp_path, tmp_path / "snap")
+    from llama_cpp import Llama
+
+    llm = Llama(str(next(snap.glob("*-00001-of-*.gguf"))), n_ctx=64, verbose=False)
+    assert llm.n_vocab() > 0
+    out_tokens = llm.create_completion("Hello", max_tokens=4, temperature=0.0)
+    assert out_tokens["choices"][0]["text"] is not None
+
+
+def test_a_killed_publishing_run_uploads_only_the_rest(
+    tiny_src: Path, tiny_out: Path, tmp_path: Path
+) -> None:
+    """Commits as files arrive (--commit-every 0): a run killed (SIGKILL) after three commits keeps
+    them; the rerun converts and uploads only the files not committed, and no blob is sent twice."""
+    with HubServer(tiny_src, token=TOKEN) as hub:
+        hub.throttle = 200_000
+        run = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "k3lab.cli",
+                *_convert_args(tmp_path, "--push-to", TARGET, "--commit-every", "0", "--quiet"),
+            ],
+            env=_env(hub, tmp_path),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        while len([c for c in hub.commit_log if c[0] == TARGET]) < 3:
+            time.sleep(0.05)
+            assert run.poll() is None, run.communicate()
+        run.kill()
+        run.communicate()
+        committed = {
+            p for repo, _, paths in hub.commit_log if repo == TARGET for p in paths if p.endswith(".gguf")
+        }
+        assert 3 <= len(committed) < 9
+        hub.throttle = None
+        before = len(hub.commit_log)
+        again = _k3lab(hub, tmp_path, *_convert_args(tmp_path, "--push-to", TARGET, "--quiet"))
+        assert again.returncode == 0, again.stderr[-2000:]
+        assert f"{9 - len(committed)} written, {len(committed)} already complete" in again.stdout, (
+            again.stdout
+        )
+        later = {
+            p
+            for repo, _, paths in hub.commit_log[before:]
+            if repo == TARGET
+            for p in paths
+            if p.endswith(".gguf")
+        }
+        assert later == set(p.name for p in tiny_out.glob("*.gguf")) - committed
+        assert len(hub.uploads) == len(set(hub.uploads))  # every blob sent once
+        for name, data in _repo_ggufs(hub).items():
+            assert data == (tiny_out / name).read_bytes(), name
+
+
+def test_publish_pushes_a_local_set_once_and_refuses_another(
+    tiny_src: Path, tiny_out: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "set"
+    shutil.copytree(tiny_out, out)
+    with HubServer(tiny_src, token=TOKEN) as hub:
+        r = _k3lab(hub, tmp_path, "publish", str(out), TARGET)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.startswith("9 uploaded, 0 already in "), r.stdout
+        for name, data in _repo_ggufs(hub).items():
+            assert data == (tiny_out / name).read_bytes(), name
+        puts, commits = len(hub.uploads), len(hub.commit_log)
+        r = _k3lab(hub, tmp_path, "publish", str(out), TARGET)
+        assert (
+            r.returncode == 0
+            and r.stdout.startswith("0 uploaded, 9 already in ")
+            and "nothing to commit" in r.stdout
+        )
+        assert (len(hub.uploads), len(hub.commit_log)) == (puts, commits)
+        # another set (another name) is refused, then replaces it with --force
+        other = tmp_path / "other"
+        from conftest import convert
+
+        assert convert(tiny_src, other, "--name", "Other") == 0
+        r = _k3lab(hub, tmp_path, "publish", str(other), TARGET)
+        assert (
+            r.returncode == 2 and "holds another set" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+        )
+        assert (len(hub.uploads), len(hub.commit_log)) == (puts, commits)
+        r = _k3lab(hub, tmp_path, "publish", str(other), TARGET, "--force")
+        assert r.returncode == 0, r.stderr
+        assert sorted(_repo_ggufs(hub)) == sorted(p.name for p in other.glob("*.gguf"))
+    _no_token_on_disk(out, other)
