@@ -482,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from k3lab.pipeline.runner import Stopped, stop_on_sigterm
+    from k3lab.pipeline.task import Stopped, stop_on_sigterm
 
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)

@@ -169,6 +169,7 @@ def test_a_minute_of_outage_is_ridden_out(
         ):
             time.sleep(0.05)
         hub.outage(60)
+        hub.throttle = None  # (only so that downloads were in flight when it began)
         t0 = time.monotonic()
         out, err = run.communicate(timeout=900)
         assert time.monotonic() - t0 > 55  # it did wait the outage out

@@ -229,8 +229,8 @@ def test_conversions_in_threads_of_one_process_give_identical_files(
 
     from k3lab.kimi_k3.model import MODEL
     from k3lab.pipeline.folder import OutputFolder
-    from k3lab.pipeline.runner import Task, run_task
     from k3lab.pipeline.sources import SourceSpec
+    from k3lab.pipeline.task import Task, run_task
 
     spec = SourceSpec.local(tiny_src)
     task = Task(MODEL, str(tmp_path), spec, saved_plan(tiny_src, tmp_path).inputs_digest)

@@ -16,8 +16,8 @@ from k3lab.formats import safetensors
 from k3lab.kimi_k3.model import MODEL
 from k3lab.pipeline import forecast, planner
 from k3lab.pipeline import plan as plan_mod
-from k3lab.pipeline.runner import Task, run_task
 from k3lab.pipeline.sources import SourceSpec
+from k3lab.pipeline.task import Task, run_task
 
 
 def _copy(src: Path, tmp: Path) -> Path:
@@ -68,10 +68,10 @@ def test_a_task_reads_only_its_own_shard_header(tiny_src: Path, tmp_path: Path, 
     monkeypatch.setattr(
         "k3lab.pipeline.sources.read_index", lambda *a: pytest.fail("a task parsed the index")
     )
-    from k3lab.pipeline import runner, sources
+    from k3lab.pipeline import sources, task
 
     sources._open_source.cache_clear()
-    runner._task_plan.cache_clear()
+    task.task_plan.cache_clear()
     result = run_task(Task(MODEL, str(tmp_path), spec, plan.inputs_digest), 3)
     assert not result.skipped
     assert read == [plan.file(3).source_file]
@@ -169,10 +169,10 @@ def test_a_task_refuses_a_shard_that_changed_after_planning(tiny_src: Path, tmp_
     data = shard.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     shard.write_bytes(data[: 8 + n - 1] + b"\n" + data[8 + n :])  # same length, other header bytes
-    from k3lab.pipeline import runner, sources
+    from k3lab.pipeline import sources, task
 
     sources._open_source.cache_clear()
-    runner._task_plan.cache_clear()
+    task.task_plan.cache_clear()
     with pytest.raises(plan_mod.PlanError, match="header differs from the one the plan was made from"):
         run_task(Task(MODEL, str(tmp_path / "out"), spec, plan.inputs_digest), 2)
     assert not list((tmp_path / "out").glob("*.gguf*"))

@@ -1,6 +1,6 @@
 """A run's output files as Dask tasks on a running cluster, with one progress bar and a stop that stops.
 
-Each output file is one task (``runner.run_task``) submitted to the scheduler. The run has a
+Each output file is one task (``task.run_task``) submitted to the scheduler. The run has a
 *channel*, a name made from its lock token:
 
 - **Progress.** Tasks send their ``TaskReport`` messages as Dask events on the channel's topic
@@ -93,7 +93,7 @@ def run_on_dask(
 
     from distributed import Client, Event, wait
 
-    from k3lab.pipeline.runner import gives_up
+    from k3lab.pipeline.processes import gives_up
 
     channel = channel_name(task.run_token)
     task = dataclasses.replace(task, channel=channel)

@@ -14,15 +14,13 @@ prefetched), each checked against its SHA-256 before it is converted.
 - **Headers** are read with ranged GETs at the commit (a few MB for the whole model), so the plan
   needs no shard on disk.
 - **Shards.** A task ``acquire``s its shard: huggingface_hub downloads it (resuming by itself) into
-  a download slot k3lab owns, ``SCRATCH/k3lab-dl-KEY/`` with its lock ``SCRATCH/k3lab-dl-KEY.lock``
-  (``flock``ed by the process using it, released by the kernel however that process ends); the
-  file's SHA-256 is checked against the Hub's; ``release`` deletes the slot. A slot whose lock is free
-  is a killed task's leftover: the next task to acquire a shard in that scratch removes it. Disk
-  budget: two shards per process (the one converting, the one prefetched).
-- **Outages.** Transient failures (refused or reset connections, timeouts, 408/429/5xx, "the Hub
-  cannot be reached") are retried with backoff (``Retry-After`` honoured) until the Hub has failed
-  for ``retry_budget`` seconds in a row (default ``RETRY_BUDGET``; bytes received start the clock
-  again): then ``HubUnreachable``, exit 1. 401/403/404 are ``HubError``, one line, exit 2.
+  a download slot k3lab owns (``slots``: ``SCRATCH/k3lab-dl-KEY/``, locked by the process using it;
+  a dead task's slot is removed by the next task); the file's SHA-256 is checked against the Hub's;
+  ``release`` deletes the slot. Disk budget: two shards per process (the one converting, the one
+  prefetched).
+- **Outages** (``retry``): transient failures are retried with backoff until the Hub has failed for
+  ``retry_budget`` seconds in a row: then ``HubUnreachable``, exit 1. 401/403/404 are ``HubError``,
+  one line, exit 2.
 
 Nothing is printed here: download bytes, retries and huggingface_hub's own "trying to resume"
 warnings go to the task's ``TaskReport`` and so into the run's one progress bar.
@@ -31,46 +29,38 @@ warnings go to the task's ``TaskReport`` and so into the run's one progress bar.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import hashlib
 import json
-import logging
 import os
-import random
-import re
-import shutil
-import stat
 import struct
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3lab.errors import K3LabError, MachineError
+from k3lab.errors import K3LabError
 from k3lab.formats.files import read_chunks
 from k3lab.formats.safetensors import MAX_HEADER
 from k3lab.pipeline.progress import NO_REPORT, Cancelled, TaskReport
+from k3lab.pipeline.retry import (
+    RETRY_BUDGET,
+    HubError,
+    HubUnreachable,
+    bar_class,
+    current,
+    fold_hf_logging,
+    with_retries,
+)
+from k3lab.pipeline.slots import Slot, sweep_scratch
 from k3lab.pipeline.sources import Source, SourceError, SourceSpec
+
+__all__ = ["HubError", "HubSource", "HubUnreachable", "RETRY_BUDGET", "hub_spec", "with_retries"]
 
 PREFETCH_AHEAD = 1  # shards downloaded ahead of the one converting: at most two on disk per process
 HEADER_PROBE = 1 << 20  # the first ranged read; most headers fit in it
-RETRY_BUDGET = 900.0  # seconds the Hub may keep failing (in a row) before a file is given up
-MAX_DELAY = 30.0  # the longest pause between two attempts
-SLOT_PREFIX = "k3lab-dl-"
-_SLOT_NAME = re.compile(rf"{SLOT_PREFIX}([0-9a-f]{{32}})(\.lock|\.kept)?")
 FETCHED = ".k3lab-fetched.json"  # in meta: the metadata files k3lab fetched, and their hashes
-
-
-class HubError(K3LabError):
-    """The Hub refused (401/403/404), or served other bytes than it lists: one line, exit 2."""
-
-
-class HubUnreachable(MachineError):
-    """The Hub kept failing for the whole retry budget: one line, exit 1; run again to resume."""
 
 
 @dataclass(frozen=True)
@@ -100,226 +90,6 @@ class RemoteFile:
         for chunk in read_chunks(path, self.size, "downloaded file"):
             h.update(chunk)
         return h.hexdigest() == (self.sha256 or self.blob_id)
-
-
-# --- failures: which to ride out -----------------------------------------------------------------------
-
-
-def _status(e: BaseException) -> int | None:
-    return getattr(getattr(e, "response", None), "status_code", None)
-
-
-def is_transient(e: BaseException) -> bool:
-    """Whether trying again later may succeed: the network or the Hub's load, not the request."""
-    import httpx2
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    if isinstance(e, LocalEntryNotFoundError):  # "cannot reach the Hub and no local copy"
-        return True
-    status = _status(e)
-    if isinstance(e, HfHubHTTPError) and status is not None:
-        return status in (408, 429) or status >= 500
-    # hf_xet (Xet storage) reports a refusal as a ConnectionError naming the HTTP status
-    refused = re.search(r"status client error \((\d{3})", str(e))
-    if refused and int(refused[1]) not in (408, 429):
-        return False
-    if isinstance(e, (httpx2.TransportError, ConnectionError, TimeoutError)):
-        return True
-    return isinstance(e, OSError) and "Consistency check failed" in str(e)  # a transfer cut short
-
-
-def _reason(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    status = _status(e)
-    reason = text[0] if text else type(e).__name__
-    return f"{status} {reason}" if status and str(status) not in reason else reason
-
-
-def _retry_after(e: BaseException) -> float | None:
-    response = getattr(e, "response", None)
-    value = getattr(response, "headers", {}).get("Retry-After") if response is not None else None
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
-
-
-def with_retries(
-    what: str,
-    fn: Any,
-    budget: float = RETRY_BUDGET,
-    report: TaskReport = NO_REPORT,
-    base_delay: float = 0.5,
-) -> Any:
-    """fn() until it succeeds, riding out transient failures for up to ``budget`` seconds in a row
-    (the clock starts again whenever the report shows bytes received); refusals are one line."""
-    first_failure: float | None = None
-    attempt, seen = 0, report.down_bytes
-    while True:
-        try:
-            return fn()
-        except (Cancelled, K3LabError):
-            raise
-        except Exception as e:
-            if not is_transient(e):
-                raise HubError(f"{what}: {_reason(e)}") from None
-            now = time.monotonic()
-            if report.down_bytes != seen:  # it got further this time: a new run of failures
-                first_failure, attempt, seen = None, 0, report.down_bytes
-            first_failure = first_failure if first_failure is not None else now
-            if now - first_failure >= budget:
-                raise HubUnreachable(
-                    f"{what}: the Hub kept failing for {now - first_failure:.0f} s (retry budget "
-                    f"{budget:.0f} s; last: {_reason(e)}); finished files are kept: run the command again"
-                ) from None
-            delay = min(MAX_DELAY, base_delay * 2**attempt) * random.uniform(0.8, 1.2)
-            delay = max(delay, min(_retry_after(e) or 0.0, MAX_DELAY * 4))
-            delay = min(delay, max(0.1, budget - (now - first_failure)))
-            report.retried(f"{what}: {_reason(e)}")
-            attempt += 1
-            end = time.monotonic() + delay
-            while (left := end - time.monotonic()) > 0:
-                report.check()
-                time.sleep(min(left, 0.25))
-
-
-# --- huggingface_hub's own output, folded into the task's report ------------------------------------
-
-_current = threading.local()  # the report of the download running in this thread
-
-
-class _Folded(logging.Filter):
-    """huggingface_hub's download warnings ("Error while downloading ... Trying to resume") become
-    retries in the report of the download that raised them, not lines on the terminal."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        report = getattr(_current, "report", None)
-        if report is None or record.levelno > logging.WARNING:
-            return True
-        if record.levelno == logging.WARNING:
-            report.retried(record.getMessage().splitlines()[0])
-        return False
-
-
-_FOLDED = _Folded()
-
-
-def _fold_hf_logging() -> None:
-    for name in ("huggingface_hub.file_download", "huggingface_hub.utils._http"):
-        logger = logging.getLogger(name)
-        if _FOLDED not in logger.filters:
-            logger.addFilter(_FOLDED)
-
-
-def _bar_class(report: TaskReport) -> type:
-    """A stand-in for huggingface_hub's tqdm bar: draws nothing, hands each chunk's bytes to
-    ``report`` (which also raises ``Cancelled`` there once the run stopped: the download stops)."""
-
-    class Bar:
-        def __init__(self, *args: Any, total: int | None = None, initial: int = 0, **kwargs: Any):
-            self.total, self.n = total, initial
-
-        def update(self, n: int = 1) -> None:
-            self.n += n
-            report.downloaded(n)
-
-        def close(self) -> None:
-            return None
-
-        def __enter__(self) -> Bar:
-            return self
-
-        def __exit__(self, *exc: Any) -> None:
-            return None
-
-    return Bar
-
-
-# --- download slots ----------------------------------------------------------------------------------
-
-
-class _Slot:
-    """``SCRATCH/k3lab-dl-KEY/`` and its lock file ``SCRATCH/k3lab-dl-KEY.lock``: one download, held
-    (``flock``) by the process using it. Only k3lab's own names, never through a symlink."""
-
-    def __init__(self, scratch: Path, key: str):
-        self.folder = scratch / f"{SLOT_PREFIX}{key}"
-        self.lock_path = scratch / f"{SLOT_PREFIX}{key}.lock"
-        self.kept_path = scratch / f"{SLOT_PREFIX}{key}.kept"
-        self.fd: int | None = None
-
-    def take(self, block: bool) -> bool:
-        """Hold the slot's lock (waiting for it when ``block``); False if another process holds it."""
-        while True:
-            try:
-                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-            except OSError as e:
-                if e.errno == errno.ELOOP:
-                    raise SourceError(
-                        f"{self.lock_path}: is a symlink; k3lab never writes through one"
-                    ) from None
-                raise
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
-            except OSError as e:
-                os.close(fd)
-                if e.errno in (errno.EAGAIN, errno.EACCES):
-                    return False
-                raise
-            try:  # the lock file may have been removed (and made anew) while we waited: lock that one
-                if os.stat(self.lock_path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
-                    self.fd = fd
-                    return True
-            except FileNotFoundError:
-                pass
-            os.close(fd)
-
-    def remove(self) -> None:
-        """Delete the download and the lock (this process holds it)."""
-        _remove_tree(self.folder)
-        self.kept_path.unlink(missing_ok=True)
-        self.lock_path.unlink(missing_ok=True)
-        self.release()
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-def _remove_tree(path: Path) -> None:
-    """A slot folder k3lab made: removed if it is a real folder (a symlink is only unlinked)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path, ignore_errors=True)
-    elif stat.S_ISLNK(st.st_mode):
-        path.unlink(missing_ok=True)
-
-
-def sweep_scratch(scratch: Path) -> list[str]:
-    """Remove the download slots of tasks that died (their lock is free), except kept ones; only
-    k3lab's own names. Returns the keys removed."""
-    try:
-        names = os.listdir(scratch)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    keys = {m[1] for n in names if (m := _SLOT_NAME.fullmatch(n))}
-    removed = []
-    for key in sorted(keys):
-        slot = _Slot(scratch, key)
-        if not slot.take(block=False):
-            continue  # in use by a live process
-        try:
-            if slot.kept_path.exists():
-                continue  # --keep-source
-            slot.remove()
-            removed.append(key)
-        finally:
-            slot.release()
-    return removed
 
 
 # --- the source ---------------------------------------------------------------------------------------
@@ -366,12 +136,12 @@ class HubSource(Source):
         self.scratch = Path(spec.option("scratch") or self.meta_dir / "scratch")
         self.meta_files, self.optional_meta = spec.meta_files, spec.optional_meta
         self._remote: dict[str, RemoteFile] | None = None
-        self._slots: dict[str, _Slot] = {}  # file -> its download, held by this process
+        self._slots: dict[str, Slot] = {}  # file -> its download, held by this process
         self._pending: dict[str, Future] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._closing = threading.Event()
         self._state = threading.Lock()
-        _fold_hf_logging()
+        fold_hf_logging()
 
     @property
     def revision(self) -> str:
@@ -487,13 +257,13 @@ class HubSource(Source):
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="k3lab-prefetch")
             self._pending[file] = self._pool.submit(self._fetch, file, report)
 
-    def _fetch(self, file: str, report: TaskReport) -> _Slot:
+    def _fetch(self, file: str, report: TaskReport) -> Slot:
         """Download ``file`` at the pinned commit into its slot and check its bytes; returns the slot,
         held. A failure or a stop removes the slot: nothing half-downloaded stays behind."""
         remote = self.remote(file)
         self.scratch.mkdir(parents=True, exist_ok=True)
         sweep_scratch(self.scratch)
-        slot = _Slot(self.scratch, hashlib.sha256(f"{file}\0{remote.oid}".encode()).hexdigest()[:32])
+        slot = Slot(self.scratch, hashlib.sha256(f"{file}\0{remote.oid}".encode()).hexdigest()[:32])
         slot.take(block=True)
         path = slot.folder / file
         try:
@@ -520,7 +290,7 @@ class HubSource(Source):
         stop = report.check
 
         def one() -> None:
-            _current.report = report
+            current.report = report
             try:
                 if self._closing.is_set():
                     raise Cancelled(f"{file}: the source was closed")
@@ -532,10 +302,10 @@ class HubSource(Source):
                     local_dir=folder,
                     token=self.token,
                     endpoint=self.endpoint,
-                    tqdm_class=_bar_class(_Closing(report, self._closing)),
+                    tqdm_class=bar_class(_Closing(report, self._closing)),
                 )
             finally:
-                _current.report = None
+                current.report = None
 
         with_retries(self.where(file), one, self.budget, report)
 

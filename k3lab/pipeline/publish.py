@@ -30,9 +30,9 @@ from string import Template
 from typing import Any
 
 from k3lab.errors import K3LabError
-from k3lab.pipeline.hub import RETRY_BUDGET, with_retries
 from k3lab.pipeline.progress import NO_REPORT, TaskReport
 from k3lab.pipeline.record import FORMAT, ManifestError, Record, records_of_manifest
+from k3lab.pipeline.retry import RETRY_BUDGET, with_retries
 
 MANIFEST_NAME = "MANIFEST.json"
 COMMIT_EVERY = 300.0  # seconds between two commits of a run (a killed run keeps what was committed)

@@ -1,0 +1,168 @@
+"""Running tasks on this machine: one after another in this process (the next shard prefetched), or
+in ``jobs`` worker processes, with their reports folded into the run's bar and a worker killed from
+outside named in one line. Ctrl-C and SIGTERM stop the workers (each removes its ``.partial``)."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import signal
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+from k3lab.errors import K3LabError, MachineError
+from k3lab.pipeline import task as task_mod
+from k3lab.pipeline.convert import FileResult
+from k3lab.pipeline.folder import OutputFolder
+from k3lab.pipeline.progress import RunProgress
+from k3lab.pipeline.task import Task, init_worker, run_task, task_plan
+
+
+def gives_up(e: K3LabError) -> bool:
+    """After this failure a run starts no more files: the machine's or the network's trouble (a full
+    disk, the Hub down past its retry budget) would fail them all, one budget each."""
+    return isinstance(e, MachineError)
+
+
+def run_here(task: Task, todo: list[int], progress: RunProgress, results: list, failures: dict) -> None:
+    q: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+    task_mod.progress_queue = q
+    try:
+        for i, k in enumerate(todo):
+            try:
+                results.append(run_task(task, k, todo[i + 1] if i + 1 < len(todo) else None))
+            except K3LabError as e:  # a bad shard does not stop the others; the machine's trouble does
+                failures[k] = e
+                if gives_up(e):
+                    break
+            _drain(q, progress)
+    finally:
+        task_mod.progress_queue = None
+        _drain(q, progress)
+
+
+def run_pool(
+    task: Task, todo: list[int], jobs: int, progress: RunProgress, results: list, failures: dict
+) -> None:
+    ctx = mp.get_context("spawn")
+    # workers are born ignoring SIGINT (an ignored signal stays ignored across exec, and Python then
+    # installs no KeyboardInterrupt handler): Ctrl-C reaches the whole group, but only this process
+    # decides how the run stops, even while a worker is still starting up
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        q = ctx.Queue()
+        pool = ProcessPoolExecutor(
+            max_workers=min(jobs, len(todo)),
+            mp_context=ctx,
+            initializer=init_worker,
+            initargs=(q, os.getpid()),
+        )
+        pending = {pool.submit(run_task, task, k): k for k in todo}
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    stopping = False
+    busy: dict[int, int] = {}  # pid -> the file it converts
+    workers: dict[int, Any] = {}  # pid -> its Process (the pool forgets them once broken)
+    try:
+        while pending:
+            _drain(q, progress, busy)
+            workers.update(getattr(pool, "_processes", None) or {})
+            for f in [f for f in pending if f.done()]:
+                k = pending.pop(f)
+                try:
+                    results.append(f.result())
+                except K3LabError as e:
+                    failures[k] = e
+                    if gives_up(e):  # files not begun yet are left for the rerun
+                        for other in [f for f in pending if f.cancel()]:
+                            pending.pop(other)
+                except BrokenProcessPool:
+                    _drain(q, progress, busy)
+                    died = _worker_died(workers, busy, results, lambda: _left_partials(task, todo))
+                    failures[died[0] or k] = died[1]
+                    pending.clear()
+                    break
+            time.sleep(0.05)
+        _drain(q, progress, busy)
+    except BaseException:  # Ctrl-C, SIGTERM: stop the workers now, not after their remaining shards
+        stopping = True
+        raise
+    finally:
+        if stopping:
+            _stop_workers(pool)
+            # a worker whose cleanup outlasted the grace was killed with its .partial left; this run
+            # holds the folder's lock, so every .partial there is its own
+            OutputFolder(task.out_dir).remove_partials()
+        pool.shutdown(wait=True, cancel_futures=True)
+        q.close()
+        q.join_thread()
+
+
+def _stop_workers(pool: ProcessPoolExecutor, grace: float = 1.5) -> None:
+    """SIGTERM each worker (it unwinds and removes its .partial), then SIGKILL what is left."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(1)
+
+
+def _drain(q: Any, progress: RunProgress, busy: dict[int, int] | None = None) -> None:
+    """The workers' messages into the run's bar (and, for ``busy``, which process took which file)."""
+    while True:
+        try:
+            msg = q.get_nowait()
+        except queue_mod.Empty:
+            return
+        if msg[0] == "start" and busy is not None:
+            busy[int(str(msg[2]).rsplit(":", 1)[1])] = msg[1]
+        progress.take(msg)
+
+
+def _left_partials(task: Task, todo: list[int]) -> list[int]:
+    """The files whose ``.partial`` is still there: a worker killed by SIGKILL could not remove its
+    own (and its report of which file it took may have died with it, in its queue's thread)."""
+    plan = task_plan(task.model, task.out_dir, task.plan_digest)
+    folder = OutputFolder(task.out_dir)
+    return [k for k in todo if folder.output(plan.file(k).filename + ".partial").exists()]
+
+
+def _worker_died(
+    workers: dict[int, Any], busy: dict[int, int], results: list[FileResult], left: Callable[[], list[int]]
+) -> tuple[int | None, MachineError]:
+    """A worker killed from outside (the OOM killer, kill -9): the file it converted (if known) and one
+    line naming it and the signal."""
+    done = {r.number for r in results}
+    for p in workers.values():  # the others are stopped (and remove their .partial) first
+        p.join(2)
+    partials = left()
+    for p in workers.values():  # what a killed worker was converting, where it could not say
+        if p.exitcode and p.exitcode != -signal.SIGTERM and p.pid not in busy and len(partials) == 1:
+            busy[p.pid] = partials[0]
+    dead = []
+    for p in workers.values():
+        p.join(1)
+        if p.exitcode and busy.get(p.pid) not in done | {None}:
+            dead.append(p)
+    # the pool terminates the others once one dies: the one killed from outside is not a SIGTERM
+    dead.sort(key=lambda p: p.exitcode == -signal.SIGTERM)
+    for p in dead:
+        how = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit code {p.exitcode}"
+        return busy[p.pid], MachineError(
+            f"worker for shard {busy[p.pid]} died ({how}); finished files are kept: run the command again"
+        )
+    idle = [p for p in workers.values() if p.exitcode and p.exitcode != -signal.SIGTERM]
+    how = f" (signal {-idle[0].exitcode})" if idle and idle[0].exitcode < 0 else ""
+    return None, MachineError(
+        f"a worker process died{how} before it began a shard; finished files are kept: run the command again"
+    )

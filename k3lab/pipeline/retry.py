@@ -1,0 +1,161 @@
+"""Riding out the Hub's bad moments: which failures are transient (refused or reset connections,
+timeouts, 408/429/5xx, "the Hub cannot be reached", Xet's network errors) and which are refusals
+(401/403/404), and ``with_retries``: backoff within a time budget, the clock started again whenever
+bytes arrive. huggingface_hub's own download output (its bars, its "trying to resume" warnings) is
+folded into the task's report here too, so the run shows one bar."""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import threading
+import time
+from typing import Any
+
+from k3lab.errors import K3LabError, MachineError
+from k3lab.pipeline.progress import NO_REPORT, Cancelled, TaskReport
+
+RETRY_BUDGET = 900.0  # seconds the Hub may keep failing (in a row) before a file is given up
+MAX_DELAY = 30.0  # the longest pause between two attempts
+
+
+class HubError(K3LabError):
+    """The Hub refused (401/403/404), or served other bytes than it lists: one line, exit 2."""
+
+
+class HubUnreachable(MachineError):
+    """The Hub kept failing for the whole retry budget: one line, exit 1; run again to resume."""
+
+
+# --- failures: which to ride out -----------------------------------------------------------------------
+
+
+def _status(e: BaseException) -> int | None:
+    return getattr(getattr(e, "response", None), "status_code", None)
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether trying again later may succeed: the network or the Hub's load, not the request."""
+    import httpx2
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    if isinstance(e, LocalEntryNotFoundError):  # "cannot reach the Hub and no local copy"
+        return True
+    status = _status(e)
+    if isinstance(e, HfHubHTTPError) and status is not None:
+        return status in (408, 429) or status >= 500
+    # hf_xet (Xet storage) reports a refusal as a ConnectionError naming the HTTP status
+    refused = re.search(r"status client error \((\d{3})", str(e))
+    if refused and int(refused[1]) not in (408, 429):
+        return False
+    if isinstance(e, (httpx2.TransportError, ConnectionError, TimeoutError)):
+        return True
+    return isinstance(e, OSError) and "Consistency check failed" in str(e)  # a transfer cut short
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    status = _status(e)
+    reason = text[0] if text else type(e).__name__
+    return f"{status} {reason}" if status and str(status) not in reason else reason
+
+
+def _retry_after(e: BaseException) -> float | None:
+    response = getattr(e, "response", None)
+    value = getattr(response, "headers", {}).get("Retry-After") if response is not None else None
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def with_retries(
+    what: str,
+    fn: Any,
+    budget: float = RETRY_BUDGET,
+    report: TaskReport = NO_REPORT,
+    base_delay: float = 0.5,
+) -> Any:
+    """fn() until it succeeds, riding out transient failures for up to ``budget`` seconds in a row
+    (the clock starts again whenever the report shows bytes received); refusals are one line."""
+    first_failure: float | None = None
+    attempt, seen = 0, report.down_bytes
+    while True:
+        try:
+            return fn()
+        except (Cancelled, K3LabError):
+            raise
+        except Exception as e:
+            if not is_transient(e):
+                raise HubError(f"{what}: {_reason(e)}") from None
+            now = time.monotonic()
+            if report.down_bytes != seen:  # it got further this time: a new run of failures
+                first_failure, attempt, seen = None, 0, report.down_bytes
+            first_failure = first_failure if first_failure is not None else now
+            if now - first_failure >= budget:
+                raise HubUnreachable(
+                    f"{what}: the Hub kept failing for {now - first_failure:.0f} s (retry budget "
+                    f"{budget:.0f} s; last: {_reason(e)}); finished files are kept: run the command again"
+                ) from None
+            delay = min(MAX_DELAY, base_delay * 2**attempt) * random.uniform(0.8, 1.2)
+            delay = max(delay, min(_retry_after(e) or 0.0, MAX_DELAY * 4))
+            delay = min(delay, max(0.1, budget - (now - first_failure)))
+            report.retried(f"{what}: {_reason(e)}")
+            attempt += 1
+            end = time.monotonic() + delay
+            while (left := end - time.monotonic()) > 0:
+                report.check()
+                time.sleep(min(left, 0.25))
+
+
+# --- huggingface_hub's own output, folded into the task's report ------------------------------------
+
+current = threading.local()  # the report of the download running in this thread
+
+
+class _Folded(logging.Filter):
+    """huggingface_hub's download warnings ("Error while downloading ... Trying to resume") become
+    retries in the report of the download that raised them, not lines on the terminal."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        report = getattr(current, "report", None)
+        if report is None or record.levelno > logging.WARNING:
+            return True
+        if record.levelno == logging.WARNING:
+            report.retried(record.getMessage().splitlines()[0])
+        return False
+
+
+_FOLDED = _Folded()
+
+
+def fold_hf_logging() -> None:
+    for name in ("huggingface_hub.file_download", "huggingface_hub.utils._http"):
+        logger = logging.getLogger(name)
+        if _FOLDED not in logger.filters:
+            logger.addFilter(_FOLDED)
+
+
+def bar_class(report: TaskReport) -> type:
+    """A stand-in for huggingface_hub's tqdm bar: draws nothing, hands each chunk's bytes to
+    ``report`` (which also raises ``Cancelled`` there once the run stopped: the download stops)."""
+
+    class Bar:
+        def __init__(self, *args: Any, total: int | None = None, initial: int = 0, **kwargs: Any):
+            self.total, self.n = total, initial
+
+        def update(self, n: int = 1) -> None:
+            self.n += n
+            report.downloaded(n)
+
+        def close(self) -> None:
+            return None
+
+        def __enter__(self) -> Bar:
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            return None
+
+    return Bar

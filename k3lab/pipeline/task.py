@@ -1,0 +1,177 @@
+"""The task: one output file converted (and, when publishing, uploaded) wherever it runs, in this
+process, a ``--jobs`` worker process or a Dask worker on another machine.
+
+A task is ``run_task(task, number)``: plain values in (the output folder, where the plan is, and a
+``SourceSpec``), so the same task runs unchanged anywhere. It loads the saved plan and opens its own
+source: a local folder, or the Hub, whence it downloads its shard into scratch, converts it and
+deletes it. It reports to its run through a ``TaskReport`` and stops when its run has stopped. This
+module also holds what a worker process needs to be stopped cleanly (SIGTERM, its parent gone).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from k3lab.errors import K3LabError
+from k3lab.pipeline.convert import FileResult, convert_file, worker_name
+from k3lab.pipeline.folder import OutputFolder
+from k3lab.pipeline.model import Model
+from k3lab.pipeline.plan import Plan
+from k3lab.pipeline.progress import TaskReport
+from k3lab.pipeline.publish import PushTarget, upload
+from k3lab.pipeline.sources import SourceSpec
+
+
+@dataclass(frozen=True)
+class Task:
+    """Everything a worker needs to convert output files of one run, as plain values (the model
+    travels by name: see ``Model.__reduce__``)."""
+
+    model: Model
+    out_dir: str
+    source: SourceSpec  # pinned: the plan's commit, for a Hub source
+    plan_digest: str  # the worker checks it loaded the plan this run made
+    force: bool = False
+    run_token: str = ""  # the run holding the folder: a task renames nothing once it does not
+    channel: str = ""  # on Dask: the run's event topic and stop Event (see ``cluster``)
+    push: PushTarget | None = None  # publish each finished file there (see ``publish``)
+    private: bool = False  # each Dask worker writes into a folder of its own (needs ``push``)
+
+
+@functools.lru_cache(maxsize=2)
+def task_plan(model: Model, out_dir: str, plan_digest: str) -> Plan:
+    return OutputFolder(out_dir).require_plan(model, plan_digest)
+
+
+# where this process's tasks report: set in worker processes by init_worker, and by run_here
+progress_queue: Any = None
+
+
+def _task_report(task: Task, number: int) -> TaskReport:
+    """Where this task's messages go (the run's queue, or Dask's event stream), and how it hears of
+    a stop (on Dask: the run's Event; elsewhere signals reach the process itself)."""
+    if task.channel:
+        from k3lab.pipeline.cluster import worker_channel
+
+        emit, stop = worker_channel(task.channel)
+        return TaskReport(number, emit, stop)
+    q = progress_queue
+    return TaskReport(number, q.put if q is not None else None)
+
+
+def worker_folder(task: Task) -> tuple[str, SourceSpec]:
+    """Where this task writes, and the source it reads: the run's folder, or (``private``) a folder
+    of this Dask worker's own, ``<worker local directory>/k3lab/out-<plan digest>``, with its
+    downloads in ``.../k3lab/scratch``."""
+    if not task.private:
+        return task.out_dir, task.source
+    from distributed import get_worker
+
+    root = Path(get_worker().local_directory) / "k3lab"
+    return str(root / f"out-{task.plan_digest[:16]}"), task.source.with_options(
+        {"scratch": str(root / "scratch")}
+    )
+
+
+def run_task(
+    task: Task, number: int, next_number: int | None = None, plan_state: dict[str, bytes] | None = None
+) -> FileResult:
+    """Convert output file ``number`` (and, with ``push``, publish it): the task every runner runs.
+    ``plan_state``: the saved plan's files, for a worker writing a folder of its own."""
+    report = _task_report(task, number)
+    report.started(worker_name())
+    try:
+        report.check(now=True)  # a task the scheduler started as its run stopped does nothing
+        out_dir, spec = worker_folder(task)
+        folder = OutputFolder(out_dir)
+        if plan_state is not None:
+            folder.import_plan(plan_state)
+        plan = task_plan(task.model, out_dir, task.plan_digest)
+        source = spec.open()
+        if next_number is not None:
+            ahead = TaskReport(next_number, report.emit, report.stop)
+            source.prefetch(plan.file(next_number).source_file, ahead)
+
+        def before_commit() -> None:
+            report.check(now=True)
+            if task.run_token and not task.private:
+                folder.check_held(task.run_token)
+
+        global _converting
+        _converting += 1
+        try:
+            result = convert_file(plan, number, source, out_dir, task.force, report, before_commit)
+            if task.push is not None:
+                _publish_file(task.push, folder, plan.file(number).filename, number, report, result)
+            return result
+        finally:
+            _converting -= 1
+    finally:
+        report.ended()
+
+
+def _publish_file(
+    push: PushTarget, folder: OutputFolder, filename: str, number: int, report: TaskReport, result: FileResult
+) -> None:
+    """Upload a finished file from this machine; its record gains the file's SHA-256 and travels back
+    with the uploaded operation; the local copy goes unless ``keep_local``."""
+    record = folder.text_record(number)
+    if record is None:  # convert_file has just written or found it: never
+        raise K3LabError(f"{folder.output(filename)}: no record after converting it")
+    result.upload = upload(push, folder.output(filename), report)
+    record.sha256 = result.upload.upload_info.sha256.hex()
+    folder.write_record(record)
+    result.record = record.to_json()
+    if not push.keep_local:
+        folder.remove_output(filename)
+
+
+_converting = 0  # conversions running in this process (a SIGTERM then has cleaning up to do)
+
+
+class Stopped(BaseException):
+    """SIGTERM (or the run's end) reached a process mid-conversion: unwind, removing .partial files."""
+
+
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM into ``Stopped`` in the main thread, so that cleanup runs (a plain SIGTERM
+    would end the process with its .partial files left)."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Stopped(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def init_worker(progress_queue_: Any, parent: int) -> None:
+    """In each local worker process: report progress to the parent, and die with it (SIGINT is
+    ignored from birth: see processes.run_pool)."""
+    global progress_queue
+    progress_queue = progress_queue_
+    signal.signal(signal.SIGTERM, _worker_sigterm)
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="k3lab-parent-watch").start()
+
+
+def _worker_sigterm(signum: int, frame: Any) -> None:
+    """Mid-conversion: unwind, removing the .partial. Idle (waiting for a task, as the workers the
+    pool stops once one of them dies): nothing to clean up and nothing to say, so leave at once."""
+    if _converting:
+        raise Stopped(signal.Signals(signum).name)
+    os._exit(0)
+
+
+def _watch_parent(parent: int) -> None:
+    """The run that started this worker is gone (even by kill -9): stop as SIGTERM would, cleaning
+    up; if that takes too long, exit anyway."""
+    while os.getppid() == parent:
+        time.sleep(0.1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(1.0)
+    os._exit(70)
