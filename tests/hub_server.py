@@ -127,6 +127,22 @@ class HubServer:
         """From now on, for ``seconds``, every request is dropped unanswered (the Hub unreachable)."""
         self._down_until = time.monotonic() + seconds
 
+    def client_env(self, tmp: Path, token: str | None = None) -> dict[str, str]:
+        """The environment of a k3lab process using this Hub: its endpoint, a home of its own, the
+        token (or none), and no Xet (this Hub speaks the LFS upload protocol)."""
+        import os
+
+        env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
+        env |= {
+            "HF_ENDPOINT": self.url,
+            "HF_HOME": str(tmp / "hf-home"),
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "HF_HUB_DISABLE_XET": "1",
+        }
+        if token:
+            env["HF_TOKEN"] = token
+        return env
+
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -267,7 +283,9 @@ class HubServer:
                 h.wfile.write(body[i : i + step])
             except OSError:  # the client went away (a cancelled download)
                 return
-            if self.throttle and not rng and m["file"].endswith(".safetensors"):  # whole shards: planning stays quick
+            if (
+                self.throttle and not rng and m["file"].endswith(".safetensors")
+            ):  # whole shards: planning stays quick
                 time.sleep(min(len(body) - i, step) / self.throttle)
 
     # --- the write side: create a repo, pre-upload, LFS batch and PUT, commit ---

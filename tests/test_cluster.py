@@ -7,7 +7,6 @@ a killed download is cleaned up; --quiet is quiet."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -36,14 +35,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def _env(hub: HubServer, tmp: Path) -> dict[str, str]:
-    env = {
-        **os.environ,
-        "HF_ENDPOINT": hub.url,
-        "HF_HOME": str(tmp / "hf-home"),
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-    }
-    env.pop("HF_TOKEN", None)
-    return env
+    return hub.client_env(tmp)
+
+
+def _start(hub: HubServer, tmp: Path, *extra: str) -> subprocess.Popen:
+    """The client as a user runs it, in the background."""
+    return subprocess.Popen(
+        _args(tmp, *extra), env=_env(hub, tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _args(tmp: Path, *extra: str) -> list[str]:
@@ -96,13 +95,7 @@ def test_one_commit_per_set_while_the_repo_moves(
     with HubServer(tiny_src) as hub:
         hub.throttle = 400_000
         first = hub.head
-        run = subprocess.Popen(
-            _args(tmp_path, "--scheduler", cluster, "--quiet"),
-            env=_env(hub, tmp_path),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        run = _start(hub, tmp_path, "--scheduler", cluster, "--quiet")
         while not any(r[1].endswith(".safetensors") and r[2] == "" for r in hub.requests):
             time.sleep(0.05)  # the first shard download: planning is over
         moved = hub.commit({shard: _tampered(hub.file(shard))}, "change a shard mid-run")
@@ -157,13 +150,7 @@ def test_a_minute_of_outage_is_ridden_out(
     and the set is byte-identical."""
     with HubServer(tiny_src, faults=True) as hub:
         hub.throttle = 300_000
-        run = subprocess.Popen(
-            _args(tmp_path, "--scheduler", cluster, "--quiet"),
-            env=_env(hub, tmp_path),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        run = _start(hub, tmp_path, "--scheduler", cluster, "--quiet")
         while (
             sum(1 for r in hub.requests if r[1].endswith(".safetensors") and r[0] == "GET" and not r[2]) < 3
         ):
@@ -187,13 +174,7 @@ def test_an_outage_longer_than_the_budget_lists_every_failed_file(tiny_src: Path
     is back finishes the set."""
     with HubServer(tiny_src) as hub:
         hub.throttle = 2_000_000
-        run = subprocess.Popen(
-            _args(tmp_path, "--retry-budget", "4", "--quiet", "--shards", "2-9", "--jobs", "2"),
-            env=_env(hub, tmp_path),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        run = _start(hub, tmp_path, "--retry-budget", "4", "--quiet", "--shards", "2-9", "--jobs", "2")
         while not any(r[1].endswith(".safetensors") and r[0] == "GET" and not r[2] for r in hub.requests):
             time.sleep(0.02)
         hub.outage(3600)
@@ -222,13 +203,7 @@ def test_stopping_the_client_stops_every_task(
     immediate rerun is byte-identical."""
     with HubServer(tiny_src) as hub:
         hub.throttle = 150_000
-        run = subprocess.Popen(
-            _args(tmp_path, "--scheduler", cluster, "--quiet"),
-            env=_env(hub, tmp_path),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        run = _start(hub, tmp_path, "--scheduler", cluster, "--quiet")
         while (
             len({r[1] for r in hub.requests if r[1].endswith(".safetensors") and r[0] == "GET" and not r[2]})
             < 3
@@ -275,13 +250,7 @@ def test_a_killed_download_is_removed_by_the_next_task(
     try:
         with HubServer(tiny_src) as hub:
             hub.throttle = 100_000
-            run = subprocess.Popen(
-                _args(tmp_path, "--scheduler", cluster, "--quiet"),
-                env=_env(hub, tmp_path),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+            run = _start(hub, tmp_path, "--scheduler", cluster, "--quiet")
             victim = None
             deadline = time.monotonic() + 120
             while victim is None and time.monotonic() < deadline:  # a worker half way into a download

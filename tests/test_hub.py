@@ -3,32 +3,22 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
+from dask_helpers import dask_cluster
 from hub_server import HubServer
 
 REPO = "moonshotai/Kimi-K3"
-DASK = str(Path(sys.executable).parent / "dask")  # the `dask` command of this environment
 
 
 def _convert(
     hub: HubServer, tmp: Path, *extra: str, token: str | None = None, repo: str = REPO
 ) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "HF_ENDPOINT": hub.url,
-        "HF_HOME": str(tmp / "hf-home"),
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-    }
-    env.pop("HF_TOKEN", None)
-    if token:
-        env["HF_TOKEN"] = token
+    env = hub.client_env(tmp, token)
     # huggingface_hub writes 10 MB chunks; with 64 KiB ones a cut in a 400 KB test shard is resumed
     # from the middle, as a cut in a 16 GB shard is
     launcher = (
@@ -154,56 +144,7 @@ def test_every_dask_worker_streams_its_own_shards_from_the_hub(
     """A real `dask scheduler` and two `dask worker` processes, started as a user would: each task
     downloads its own shard from the (faulty) Hub into scratch, converts it into the shared output
     folder and deletes it."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "DASK_"))}
-    sched_file = tmp_path / "scheduler.json"
-    procs = [
-        subprocess.Popen(
-            [
-                DASK,
-                "scheduler",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--no-dashboard",
-                "--scheduler-file",
-                str(sched_file),
-            ],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-    ]
-    try:
-        for _ in range(300):
-            if sched_file.exists() and sched_file.stat().st_size:
-                break
-            time.sleep(0.1)
-        address = json.loads(sched_file.read_text())["address"]
-        for _ in range(2):
-            procs.append(
-                subprocess.Popen(
-                    [
-                        DASK,
-                        "worker",
-                        address,
-                        "--nworkers",
-                        "1",
-                        "--nthreads",
-                        "1",
-                        "--no-dashboard",
-                        "--host",
-                        "127.0.0.1",
-                    ],
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            )
-        from distributed import Client
-
-        with Client(address, timeout=60) as client:
-            client.wait_for_workers(2, timeout=60)
+    with dask_cluster(tmp_path) as (address, _):
         with HubServer(tiny_src, faults=True) as hub:
             result = _convert(hub, tmp_path, "--scheduler", address)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -220,14 +161,6 @@ def test_every_dask_worker_streams_its_own_shards_from_the_hub(
         assert streamed == local
         assert not list((tmp_path / "scratch").rglob("*.safetensors*"))
         assert any(r[0] == "GET" and ".safetensors" in r[1] for r in hub.requests)
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 def test_hub_streaming_with_jobs_gives_the_local_bytes(
@@ -244,13 +177,7 @@ def test_hub_streaming_with_jobs_gives_the_local_bytes(
 
 
 def _k3lab(hub: HubServer, tmp: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "HF_ENDPOINT": hub.url,
-        "HF_HOME": str(tmp / "hf-home"),
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-    }
-    env.pop("HF_TOKEN", None)
+    env = hub.client_env(tmp)
     return subprocess.run(
         [sys.executable, "-m", "k3lab.cli", *args], env=env, capture_output=True, text=True, timeout=600
     )
@@ -367,7 +294,7 @@ def test_metadata_follows_the_commit_and_a_users_file_is_never_replaced(
                 "--revision",
                 hub.first,
             ],
-            env={**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home")},
+            env=hub.client_env(tmp_path),
             capture_output=True,
             text=True,
         )
@@ -380,7 +307,7 @@ def test_metadata_follows_the_commit_and_a_users_file_is_never_replaced(
         (mine / "config.json").write_bytes(new + b"\n")
         r = subprocess.run(
             _convert_args(tmp_path / "b", "--meta", str(mine)),
-            env={**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home")},
+            env=hub.client_env(tmp_path),
             capture_output=True,
             text=True,
         )

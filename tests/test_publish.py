@@ -7,7 +7,6 @@ only the rest; `k3lab publish` does the same for a local set."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -32,15 +31,7 @@ def private_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
 
 
 def _env(hub: HubServer, tmp: Path) -> dict[str, str]:
-    env = {
-        **os.environ,
-        "HF_ENDPOINT": hub.url,
-        "HF_HOME": str(tmp / "hf-home"),
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-    }
-    env["HF_TOKEN"] = TOKEN
-    env["HF_HUB_DISABLE_XET"] = "1"  # the loopback Hub speaks LFS (the real one also speaks Xet)
-    return env
+    return hub.client_env(tmp, TOKEN)
 
 
 def _k3lab(hub: HubServer, tmp: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -150,8 +141,7 @@ def test_llama_cpp_loads_the_set_downloaded_from_the_repo(
     out = tmp_path / "local"
     shutil.copytree(tiny_out, out)
     with HubServer(tiny_src, token=TOKEN) as hub:
-        r = _k3lab(hub, tmp_path, "publish", str(out), TARGET)
-        assert r.returncode == 0, r.stderr[-2000:]
+        assert _k3lab(hub, tmp_path, "publish", str(out), TARGET).returncode == 0
         snap = _snapshot(hub, tmp_path, tmp_path / "snap")
     from llama_cpp import Llama
 
@@ -212,19 +202,29 @@ def test_a_killed_publishing_run_uploads_only_the_rest(
 def test_publish_pushes_a_local_set_once_and_refuses_another(
     tiny_src: Path, tiny_out: Path, tmp_path: Path
 ) -> None:
+    """The set with its mmproj and standalone tokenizer GGUF goes up once; a second publish sends and
+    commits nothing; another set is refused, then replaces it with --force."""
+    from k3lab.cli import main
+
     out = tmp_path / "set"
     shutil.copytree(tiny_out, out)
+    assert main(["vision", "--meta", str(tiny_src), "--out", str(out / "mmproj-Kimi-K3-BF16.gguf")]) == 0
+    assert main(["tokenizer", "--meta", str(tiny_src), "--out", str(out / "Kimi-K3-tokenizer.gguf")]) == 0
     with HubServer(tiny_src, token=TOKEN) as hub:
         r = _k3lab(hub, tmp_path, "publish", str(out), TARGET)
         assert r.returncode == 0, r.stderr[-2000:]
-        assert r.stdout.startswith("9 uploaded, 0 already in "), r.stdout
+        assert r.stdout.startswith("11 uploaded, 0 already in "), r.stdout
+        files = hub.files_of(TARGET)
+        for name in ("mmproj-Kimi-K3-BF16.gguf", "Kimi-K3-tokenizer.gguf"):
+            assert files[name] == (out / name).read_bytes()
+            assert f"`{name}`" in files["README.md"].decode()
         for name, data in _repo_ggufs(hub).items():
-            assert data == (tiny_out / name).read_bytes(), name
+            assert data == (out / name).read_bytes(), name
         puts, commits = len(hub.uploads), len(hub.commit_log)
         r = _k3lab(hub, tmp_path, "publish", str(out), TARGET)
         assert (
             r.returncode == 0
-            and r.stdout.startswith("0 uploaded, 9 already in ")
+            and r.stdout.startswith("0 uploaded, 11 already in ")
             and "nothing to commit" in r.stdout
         )
         assert (len(hub.uploads), len(hub.commit_log)) == (puts, commits)
@@ -240,5 +240,7 @@ def test_publish_pushes_a_local_set_once_and_refuses_another(
         assert (len(hub.uploads), len(hub.commit_log)) == (puts, commits)
         r = _k3lab(hub, tmp_path, "publish", str(other), TARGET, "--force")
         assert r.returncode == 0, r.stderr
-        assert sorted(_repo_ggufs(hub)) == sorted(p.name for p in other.glob("*.gguf"))
+        assert sorted(n for n in _repo_ggufs(hub) if "-of-" in n) == sorted(
+            p.name for p in other.glob("*.gguf")
+        )
     _no_token_on_disk(out, other)
