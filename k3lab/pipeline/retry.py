@@ -17,7 +17,7 @@ from k3lab.errors import K3LabError, MachineError
 from k3lab.pipeline.progress import NO_REPORT, Cancelled, TaskReport
 
 RETRY_BUDGET = 900.0  # seconds the Hub may keep failing (in a row) before a file is given up
-MAX_DELAY = 30.0  # the longest pause between two attempts
+MAX_DELAY = 10.0  # the longest pause between two attempts (each also holds huggingface_hub's own retries)
 
 
 class HubError(K3LabError):
