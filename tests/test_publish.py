@@ -244,3 +244,29 @@ def test_publish_pushes_a_local_set_once_and_refuses_another(
             p.name for p in other.glob("*.gguf")
         )
     _no_token_on_disk(out, other)
+
+
+def test_a_moved_source_replaces_exactly_its_file_in_the_repo(
+    tiny_src: Path, tiny_out: Path, tmp_path: Path
+) -> None:
+    """The source repo changes one shard after a published run: the rerun converts and uploads that
+    file only, and the repo's copy is replaced (the set is the new commit's)."""
+    index = json.loads((tiny_src / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"]["language_model.model.layers.2.input_layernorm.weight"]
+    with HubServer(tiny_src, token=TOKEN) as hub:
+        assert _k3lab(hub, tmp_path, *_convert_args(tmp_path, "--push-to", TARGET, "--quiet")).returncode == 0
+        before = _repo_ggufs(hub)
+        raw = bytearray(hub.file(shard))
+        raw[-3] ^= 0xFF
+        hub.commit({shard: bytes(raw)}, "change a shard")
+        puts, commits = len(hub.uploads), len(hub.commit_log)
+        r = _k3lab(hub, tmp_path, *_convert_args(tmp_path, "--push-to", TARGET, "--quiet"))
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "1 written, 8 already complete" in r.stdout, r.stdout
+        after = _repo_ggufs(hub)
+        changed = sorted(n for n in after if after[n] != before[n])
+        assert len(changed) == 1 and len(hub.uploads) == puts + 1 and len(hub.commit_log) == commits + 1
+        assert hub.commit_log[-1][2] == [changed[0], "MANIFEST.json"] or set(hub.commit_log[-1][2]) >= {
+            changed[0]
+        }
+        assert after[changed[0]] != (tiny_out / changed[0]).read_bytes()

@@ -1,9 +1,10 @@
 """Publishing a set to a Hugging Face repo from wherever its files are made.
 
 - ``open_target`` makes the repo (and branch) if missing and reads what it holds: every file's
-  SHA-256 (one ``model_info`` call) and its ``MANIFEST.json``. A repo holding another set (a file of
-  this set's name made by another plan, or split files this plan does not make) is refused, one
-  line, unless ``force`` (then this set replaces it, the other's files deleted in the same commits).
+  SHA-256 (one ``model_info`` call) and its ``MANIFEST.json``. A repo holding another set (split
+  files this plan does not make: another name, type or count) is refused, one line, unless ``force``
+  (then this set replaces it, the other's files deleted in the same commits). A file of this set
+  made from other inputs (the source moved) is stale: it is made again and replaced.
 - ``published`` is the resume test: the repo's record of a file carries this plan's digest and its
   SHA-256 is the file's in the repo. Such a file is neither converted nor uploaded again.
 - ``upload`` runs in the task, on the machine that made the file: huggingface_hub's
@@ -103,14 +104,10 @@ def open_target(target: PushTarget, planned: dict[str, str], force: bool = False
     state = read_repo(target)
     if not force:
         for rec in state.records.values():
-            if (
-                rec.is_text
-                and planned.get(rec.file, rec.plan_digest) != rec.plan_digest
-                or (rec.is_text and rec.file not in planned)
-            ):
+            if rec.is_text and rec.file not in planned:
                 raise PublishError(
-                    f"{target.where(rec.file)}: the repo holds another set (made by another plan); "
-                    "give --force to replace it, or push to another repo or --push-branch"
+                    f"{target.where(rec.file)}: the repo holds another set (split files this plan does not "
+                    "make); give --force to replace it, or push to another repo or --push-branch"
                 )
     return state
 
