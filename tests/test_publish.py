@@ -268,3 +268,22 @@ def test_a_moved_source_replaces_exactly_its_file_in_the_repo(
         assert len(changed) == 1 and len(hub.uploads) == puts + 1 and len(hub.commit_log) == commits + 1
         assert {p for p in hub.commit_log[-1][2] if p.endswith(".gguf")} == {changed[0]}
         assert after[changed[0]] != (tiny_out / changed[0]).read_bytes()
+
+
+def test_a_repo_whose_manifest_is_not_k3labs_is_one_line(
+    tiny_src: Path, tiny_out: Path, tmp_path: Path
+) -> None:
+    """The target repo is a stranger's: a MANIFEST.json that is not a k3lab manifest (or a record
+    claiming another file's number) is one line, and nothing is uploaded."""
+    out = tmp_path / "set"
+    shutil.copytree(tiny_out, out)
+    with HubServer(tiny_src, token=TOKEN) as hub:
+        hub.repos[TARGET] = ({}, {})
+        hub._new_commit(
+            {"MANIFEST.json": b'{"files": [{"format": "k3lab-manifest/2", "file": "../x"}]}'}, "x", TARGET
+        )
+        r = _k3lab(hub, tmp_path, "publish", str(out), TARGET)
+        assert r.returncode == 2, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and "MANIFEST.json: not a k3lab manifest" in lines[0], lines
+        assert not hub.uploads

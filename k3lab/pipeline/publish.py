@@ -37,7 +37,7 @@ from k3lab.pipeline.retry import RETRY_BUDGET, with_retries
 
 MANIFEST_NAME = "MANIFEST.json"
 COMMIT_EVERY = 300.0  # seconds between two commits of a run (a killed run keeps what was committed)
-MANIFEST_LIMIT = 1 << 30
+MANIFEST_LIMIT = 512 << 20  # the real set's manifest is tens of MB
 
 
 class _NoEmptyCommitNote(logging.Filter):
@@ -129,14 +129,17 @@ def read_repo(target: PushTarget) -> RepoState:
 
         url = hf_hub_url(target.repo, MANIFEST_NAME, revision=info.sha, endpoint=target.endpoint)
 
-        def get() -> bytes:
-            r = get_session().get(
-                url, headers=build_hf_headers(token=target.token), follow_redirects=True, timeout=60
-            )
-            hf_raise_for_status(r)
-            if len(r.content) > MANIFEST_LIMIT:
-                raise PublishError(f"{target.where(MANIFEST_NAME)}: larger than any k3lab manifest")
-            return r.content
+        def get() -> bytes:  # streamed, bounded: the manifest of a stranger's repo may be anything
+            chunks, size = [], 0
+            headers = build_hf_headers(token=target.token)
+            with get_session().stream("GET", url, headers=headers, follow_redirects=True, timeout=60) as r:
+                hf_raise_for_status(r)
+                for chunk in r.iter_bytes():
+                    size += len(chunk)
+                    if size > MANIFEST_LIMIT:
+                        raise PublishError(f"{target.where(MANIFEST_NAME)}: larger than any k3lab manifest")
+                    chunks.append(chunk)
+            return b"".join(chunks)
 
         raw = with_retries(target.where(MANIFEST_NAME), get, target.retry_budget)
         try:
@@ -147,10 +150,15 @@ def read_repo(target: PushTarget) -> RepoState:
     return RepoState(info.sha, files, records)
 
 
-def published(state: RepoState, filename: str, digest: str | None) -> Record | None:
-    """The repo's record of ``filename`` when the repo holds exactly that file of this plan."""
+def published(
+    state: RepoState, filename: str, digest: str | None, number: int | None = None
+) -> Record | None:
+    """The repo's record of ``filename`` (output file ``number``) when the repo holds exactly that
+    file of this plan."""
     rec = state.records.get(filename)
     if rec is None or not rec.sha256 or state.files.get(filename) != rec.sha256:
+        return None
+    if number is not None and rec.number != number:
         return None
     if digest is not None and rec.plan_digest != digest:
         return None

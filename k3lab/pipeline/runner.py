@@ -219,7 +219,7 @@ def _convert_planned(
     for k in numbers:  # complete files are found here, not sent anywhere
         pf = plan.file(k)
         if committer is not None:
-            done = None if task.force else published(committer.state, pf.filename, pf.digest)
+            done = None if task.force else published(committer.state, pf.filename, pf.digest, k)
             if done is not None:  # in the repo already: its record is the resume evidence
                 folder.write_record(done)
                 results.append(FileResult(k, pf.filename, True, 0.0, pf.nbytes))
