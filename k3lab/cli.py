@@ -150,7 +150,8 @@ def _convert(args: argparse.Namespace) -> int:
     workers = sorted({r.worker for r in written})
     print(
         f"{len(written)} written, {len(results) - len(written)} already complete; "
-        f"{human_bytes(sum(r.nbytes for r in results))} in {args.out_dir}"
+        f"{human_bytes(sum(r.nbytes for r in results))} "
+        + (f"published to {publication.target.where()}" if publication else f"in {args.out_dir}")
         + (f"; written by {len(workers)} processes ({', '.join(workers)})" if len(workers) > 1 else "")
     )
     return 0
