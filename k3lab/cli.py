@@ -203,6 +203,16 @@ def _publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def _retry_budget_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--retry-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long the Hub may keep failing (in a row, per file) before a file is given up (default 900)",
+    )
+
+
 def _push_flags(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("--push-branch", help="the branch to publish to (default: main; made if missing)")
     p.add_argument("--private", action="store_true", help="make the repo private when creating it")
@@ -321,13 +331,7 @@ def _source_flags(p: argparse.ArgumentParser, meta_required: bool = True) -> Non
         "--scratch", default=None, help="where --repo downloads shards (default: OUT_DIR/.k3lab/scratch)"
     )
     p.add_argument("--keep-source", action="store_true", help="keep downloaded shards in --scratch")
-    p.add_argument(
-        "--retry-budget",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="how long the Hub may keep failing (in a row, per file) before a file is given up (default 900)",
-    )
+    _retry_budget_flag(p)
 
 
 def _common_source(p: argparse.ArgumentParser) -> None:
@@ -389,7 +393,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out-dir", required=True)
     c.add_argument("--shards", default=None, help="N, A-B or a comma mix (default: all)")
     c.add_argument("--jobs", type=int, default=1, help="shards converted in parallel processes")
-    c.add_argument("--force", action="store_true", help="redo files that are already complete")
+    c.add_argument(
+        "--force",
+        action="store_true",
+        help="redo files that are already complete (with --push-to: also replace another set the repo holds)",
+    )
     c.add_argument("--name", default=None, help="output basename (default: the model's, Kimi-K3)")
     c.add_argument("--quiet", action="store_true", help="errors and one summary line only")
     c.add_argument("--scheduler", help="fan the shards out on this Dask scheduler instead of local processes")
@@ -408,9 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     pu.add_argument("out_dir", help="the output folder of a conversion")
     pu.add_argument("push_to", metavar="ORG/NAME")
     pu.add_argument("--force", action="store_true", help="replace another set the repo holds")
-    pu.add_argument(
-        "--retry-budget", type=float, default=None, metavar="SECONDS", help="as for downloads (default 900)"
-    )
+    _retry_budget_flag(pu)
     _push_flags(pu)
     pu.set_defaults(func=_publish, keep_local=True)
 

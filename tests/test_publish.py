@@ -48,8 +48,8 @@ def _convert_args(tmp: Path, *extra: str) -> list[str]:
     return ["convert", "--repo", SOURCE, "--meta", str(tmp / "meta"), "--out-dir", str(tmp / "out"), *extra]
 
 
-def _repo_ggufs(hub: HubServer, repo: str = TARGET) -> dict[str, bytes]:
-    return {p: d for p, d in hub.files_of(repo).items() if p.endswith(".gguf")}
+def _repo_ggufs(hub: HubServer, repo: str = TARGET, branch: str = "main") -> dict[str, bytes]:
+    return {p: d for p, d in hub.files_of(repo, branch).items() if p.endswith(".gguf")}
 
 
 def _snapshot(hub: HubServer, tmp: Path, dest: Path) -> Path:
@@ -249,25 +249,35 @@ def test_publish_pushes_a_local_set_once_and_refuses_another(
 def test_a_moved_source_replaces_exactly_its_file_in_the_repo(
     tiny_src: Path, tiny_out: Path, tmp_path: Path
 ) -> None:
-    """The source repo changes one shard after a published run: the rerun converts and uploads that
-    file only, and the repo's copy is replaced (the set is the new commit's)."""
+    """The source repo changes one shard after a run published to a branch with --keep-local: the
+    rerun converts and uploads that file only, and the branch's copy is replaced (the set is the new
+    commit's); main is never touched and the local copies stay."""
     index = json.loads((tiny_src / "model.safetensors.index.json").read_text())
     shard = index["weight_map"]["language_model.model.layers.2.input_layernorm.weight"]
+    to_branch = ("--push-branch", "v1", "--keep-local")
     with HubServer(tiny_src, token=TOKEN) as hub:
-        assert _k3lab(hub, tmp_path, *_convert_args(tmp_path, "--push-to", TARGET, "--quiet")).returncode == 0
-        before = _repo_ggufs(hub)
+        assert (
+            _k3lab(
+                hub, tmp_path, *_convert_args(tmp_path, "--push-to", TARGET, "--quiet", *to_branch)
+            ).returncode
+            == 0
+        )
+        before = _repo_ggufs(hub, branch="v1")
+        assert sorted(before) == sorted(p.name for p in tiny_out.glob("*.gguf")) and not _repo_ggufs(hub)
+        assert sorted(p.name for p in (tmp_path / "out").glob("*.gguf")) == sorted(before)
         raw = bytearray(hub.file(shard))
         raw[-3] ^= 0xFF
         hub.commit({shard: bytes(raw)}, "change a shard")
         puts, commits = len(hub.uploads), len(hub.commit_log)
-        r = _k3lab(hub, tmp_path, *_convert_args(tmp_path, "--push-to", TARGET, "--quiet"))
+        r = _k3lab(hub, tmp_path, *_convert_args(tmp_path, "--push-to", TARGET, "--quiet", *to_branch))
         assert r.returncode == 0, r.stderr[-2000:]
         assert "1 written, 8 already complete" in r.stdout, r.stdout
-        after = _repo_ggufs(hub)
+        after = _repo_ggufs(hub, branch="v1")
         changed = sorted(n for n in after if after[n] != before[n])
         assert len(changed) == 1 and len(hub.uploads) == puts + 1 and len(hub.commit_log) == commits + 1
         assert {p for p in hub.commit_log[-1][2] if p.endswith(".gguf")} == {changed[0]}
         assert after[changed[0]] != (tiny_out / changed[0]).read_bytes()
+        assert after[changed[0]] == (tmp_path / "out" / changed[0]).read_bytes() and not _repo_ggufs(hub)
 
 
 def test_a_repo_whose_manifest_is_not_k3labs_is_one_line(

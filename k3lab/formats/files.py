@@ -114,6 +114,23 @@ def read_json(path: str | os.PathLike, limit: int, what: str = "JSON file") -> A
         raise InputFileError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
 
 
+def open_lock_file(path: str | os.PathLike, what: str = "lock file") -> int:
+    """A lock file opened (created if missing) for ``flock``: never through a symlink, and only a
+    regular file; anything else is one line naming it."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise InputFileError(
+                f"{path}: is a symlink; k3lab never writes through one (remove it)"
+            ) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InputFileError(f"{path}: is not a regular file; k3lab uses it as a {what}")
+    return fd
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename in ``path`` durable (where the filesystem lets a directory be fsynced: some
     refuse, and the rename itself has happened either way)."""

@@ -69,3 +69,9 @@ def wait(upto: int | None = None) -> None:
 
 def sha256() -> Any:
     return hashlib.sha256()
+
+
+def git_blob_hash(size: int) -> Any:
+    """The hasher of git's (and the Hub's) id of a ``size``-byte blob: SHA-1 over ``blob SIZE\\0``
+    and then the bytes (feed it the bytes)."""
+    return hashlib.sha1(b"blob %d\0" % size)

@@ -137,10 +137,8 @@ def run_on_dask(
                         waiting = [f for f in pending if futures[f] not in progress.running]
                         client.cancel(waiting)
                         pending -= set(waiting)
-                except Cancelled:
-                    pass
-                except CancelledError:
-                    pass
+                except (Cancelled, CancelledError):
+                    continue  # stopped with its run, or cancelled after a failure: the rerun does it
                 except Exception as e:  # KilledWorker and the like: the machine's, not the input's
                     failures[k] = MachineError(f"on the cluster: {type(e).__name__}: {e}".strip())
     except BaseException:  # Ctrl-C, SIGTERM: every task stops, and the client waits until they have

@@ -41,7 +41,14 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from k3lab.errors import K3LabError, MachineError
-from k3lab.formats.files import InputFileError, fsync_dir, json_bytes, read_bounded, read_json
+from k3lab.formats.files import (
+    InputFileError,
+    fsync_dir,
+    json_bytes,
+    open_lock_file,
+    read_bounded,
+    read_json,
+)
 from k3lab.formats.gguf_stream import KV, kvs_from_json, kvs_to_json
 from k3lab.pipeline.model import Model
 from k3lab.pipeline.plan import Plan, PlanError, file_digest, kvs_digest
@@ -132,17 +139,8 @@ class OutputFolder:
             yield run_token
             return
         self.create()
+        fd = open_lock_file(path, "the folder's lock")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise FolderError(
-                    f"{path}: is a symlink; k3lab never writes through one (remove it)"
-                ) from None
-            raise
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise FolderError(f"{path}: is not a regular file; k3lab uses it as the folder's lock")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:

@@ -42,6 +42,7 @@ from typing import Any
 
 from k3lab.errors import K3LabError
 from k3lab.formats.files import read_chunks
+from k3lab.formats.hashing import git_blob_hash
 from k3lab.formats.safetensors import MAX_HEADER
 from k3lab.pipeline.progress import NO_REPORT, Cancelled, TaskReport
 from k3lab.pipeline.retry import (
@@ -54,7 +55,7 @@ from k3lab.pipeline.retry import (
     with_retries,
 )
 from k3lab.pipeline.slots import Slot, sweep_scratch
-from k3lab.pipeline.sources import Source, SourceError, SourceSpec
+from k3lab.pipeline.sources import META_LIMIT, Source, SourceError, SourceSpec
 
 __all__ = ["HubError", "HubSource", "HubUnreachable", "RETRY_BUDGET", "hub_spec", "with_retries"]
 
@@ -76,20 +77,21 @@ class RemoteFile:
     def oid(self) -> str:
         return self.sha256 or f"git-{self.blob_id}"
 
+    def local_oid(self, path: Path, limit: int | None = None) -> str | None:
+        """The file at ``path`` hashed the way the Hub identifies this file (SHA-256, or git blob id),
+        in ``oid``'s form; None when it is not a regular file of at most ``limit`` bytes."""
+        try:
+            size = os.lstat(path).st_size
+            h = hashlib.sha256() if self.sha256 else git_blob_hash(size)
+            for chunk in read_chunks(path, self.size if limit is None else limit, "file", follow=False):
+                h.update(chunk)
+        except (OSError, K3LabError):
+            return None
+        return h.hexdigest() if self.sha256 else f"git-{h.hexdigest()}"
+
     def matches(self, path: Path) -> bool:
         """Whether the file at ``path`` has exactly these bytes (size, then SHA-256 or git blob id)."""
-        try:
-            if path.is_symlink() or path.stat().st_size != self.size:
-                return False
-        except OSError:
-            return False
-        if self.sha256:
-            h = hashlib.sha256()
-        else:
-            h = hashlib.sha1(b"blob %d\0" % self.size)
-        for chunk in read_chunks(path, self.size, "downloaded file"):
-            h.update(chunk)
-        return h.hexdigest() == (self.sha256 or self.blob_id)
+        return self.local_oid(path) == self.oid
 
 
 # --- the source ---------------------------------------------------------------------------------------
@@ -205,7 +207,9 @@ class HubSource(Source):
                 raise HubError(f"{self.where(name)}: 404 not in the repo at this commit")
             if remote.matches(local):
                 continue
-            if (local.exists() or local.is_symlink()) and fetched.get(name) != _local_oid(local, remote):
+            if (local.exists() or local.is_symlink()) and fetched.get(name) != remote.local_oid(
+                local, META_LIMIT
+            ):
                 raise HubError(
                     f"{local}: is not {self.where(name)} and k3lab did not fetch it; move it away or "
                     "give another --meta (k3lab never replaces a file it did not make)"
@@ -383,18 +387,6 @@ class _Closing(TaskReport):
 
 
 # --- what k3lab fetched into meta ------------------------------------------------------------------
-
-
-def _local_oid(path: Path, remote: RemoteFile) -> str | None:
-    """The file's hash in the form the Hub gives for ``remote`` (SHA-256 or git blob id)."""
-    try:
-        size = path.stat().st_size
-        h = hashlib.sha256() if remote.sha256 else hashlib.sha1(b"blob %d\0" % size)
-        for chunk in read_chunks(path, max(size, 1) * 2, "metadata file"):
-            h.update(chunk)
-    except (OSError, K3LabError):
-        return None
-    return h.hexdigest() if remote.sha256 else f"git-{h.hexdigest()}"
 
 
 def _read_fetched(path: Path) -> dict[str, str]:

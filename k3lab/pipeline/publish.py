@@ -31,6 +31,7 @@ from string import Template
 from typing import Any
 
 from k3lab.errors import K3LabError
+from k3lab.formats.hashing import git_blob_hash
 from k3lab.pipeline.progress import NO_REPORT, TaskReport
 from k3lab.pipeline.record import FORMAT, ManifestError, Record, records_of_manifest
 from k3lab.pipeline.retry import RETRY_BUDGET, with_retries
@@ -257,9 +258,9 @@ class Committer:
 
 def git_blob_id(data: bytes) -> str:
     """The id git (and the Hub) gives a small file's bytes."""
-    import hashlib
-
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+    h = git_blob_hash(len(data))
+    h.update(data)
+    return h.hexdigest()
 
 
 def render_card(template: str, fields: dict[str, Any]) -> str:
@@ -294,6 +295,15 @@ class Publication:
     force: bool = False
 
 
+def open_committer(plan: Any, publication: Publication) -> Committer:
+    """The target repo opened for ``plan``'s set (made if missing; another set there refused unless
+    ``force``, and then its split files deleted in the same commits as this set's)."""
+    planned = {pf.filename: pf.digest for pf in plan.files}
+    state = open_target(publication.target, planned, publication.force)
+    stale = tuple(r.file for r in state.records.values() if r.is_text and r.file not in planned)
+    return Committer(publication.target, state, publication.commit_every, stale)
+
+
 def publish_folder(model: Any, out_dir: str | Path, publication: Publication) -> tuple[int, int, str | None]:
     """Push an existing local set (and its mmproj and standalone tokenizer, when there) the way a
     run publishes: files the repo holds already (same SHA-256) are not sent again, the rest are
@@ -314,10 +324,8 @@ def publish_folder(model: Any, out_dir: str | Path, publication: Publication) ->
                     f"{folder.output(pf.filename)}: missing or not complete; convert the set first "
                     "(`k3lab convert` with the same --out-dir)"
                 )
-        planned = {pf.filename: pf.digest for pf in plan.files}
-        state = open_target(publication.target, planned, publication.force)
-        stale = tuple(r.file for r in state.records.values() if r.is_text and r.file not in planned)
-        committer = Committer(publication.target, state, publication.commit_every, stale)
+        committer = open_committer(plan, publication)
+        state = committer.state
         kept = 0
         for rec in sorted(records, key=lambda r: (not r.is_text, r.number, r.file)):
             path = folder.output(rec.file)

@@ -23,7 +23,7 @@ from k3lab.pipeline.plan import Plan
 from k3lab.pipeline.planner import make_plan, plan_options, still_current
 from k3lab.pipeline.processes import run_here, run_pool
 from k3lab.pipeline.progress import RunProgress
-from k3lab.pipeline.publish import Committer, Publication, open_target, published
+from k3lab.pipeline.publish import Committer, Publication, open_committer, published
 from k3lab.pipeline.record import Record
 from k3lab.pipeline.sources import SourceSpec
 from k3lab.pipeline.task import Task, run_task
@@ -213,7 +213,7 @@ def _convert_planned(
     publication: Publication | None = None,
 ) -> list[FileResult]:
     folder = OutputFolder(task.out_dir)
-    committer = _committer(plan, publication, task.force) if publication else None
+    committer = open_committer(plan, publication) if publication else None
     results = Results(functools.partial(_record_published, folder, committer) if committer else None)
     todo = []
     for k in numbers:  # complete files are found here, not sent anywhere
@@ -288,15 +288,6 @@ def _convert_planned(
     if late:
         raise late[0]
     return sorted(results, key=lambda r: r.number)
-
-
-def _committer(plan: Plan, publication: Publication, force: bool) -> Committer:
-    """The target repo opened (made if missing; another set there refused unless --force)."""
-    planned = {pf.filename: pf.digest for pf in plan.files}
-    state = open_target(publication.target, planned, force or publication.force)
-    # --force: the other set's split files go in the same commits as this one's
-    stale = tuple(r.file for r in state.records.values() if r.is_text and r.file not in planned)
-    return Committer(publication.target, state, publication.commit_every, stale)
 
 
 def _record_published(folder: OutputFolder, committer: Committer, result: FileResult) -> None:

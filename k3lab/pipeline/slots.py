@@ -8,6 +8,7 @@ names are ever touched, never through a symlink."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -16,7 +17,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from k3lab.pipeline.sources import SourceError
+from k3lab.formats.files import open_lock_file
 
 SLOT_PREFIX = "k3lab-dl-"
 _SLOT_NAME = re.compile(rf"{SLOT_PREFIX}([0-9a-f]{{32}})(\.lock|\.kept)?")
@@ -35,14 +36,7 @@ class Slot:
     def take(self, block: bool) -> bool:
         """Hold the slot's lock (waiting for it when ``block``); False if another process holds it."""
         while True:
-            try:
-                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-            except OSError as e:
-                if e.errno == errno.ELOOP:
-                    raise SourceError(
-                        f"{self.lock_path}: is a symlink; k3lab never writes through one"
-                    ) from None
-                raise
+            fd = open_lock_file(self.lock_path, "download slot's lock")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
             except OSError as e:
@@ -50,12 +44,11 @@ class Slot:
                 if e.errno in (errno.EAGAIN, errno.EACCES):
                     return False
                 raise
-            try:  # the lock file may have been removed (and made anew) while we waited: lock that one
+            # the lock file may have been removed (and made anew) while we waited: lock that one
+            with contextlib.suppress(FileNotFoundError):
                 if os.stat(self.lock_path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
                     self.fd = fd
                     return True
-            except FileNotFoundError:
-                pass
             os.close(fd)
 
     def remove(self) -> None:

@@ -1,0 +1,96 @@
+"""Which Hub failures are ridden out and for how long: the classification against huggingface_hub's
+and httpx's own exception types, and the time budget of ``with_retries``."""
+
+from __future__ import annotations
+
+import time
+
+import httpx2
+import pytest
+from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+from k3lab.pipeline.progress import TaskReport
+from k3lab.pipeline.retry import HubError, HubUnreachable, is_transient, with_retries
+
+
+def _http(status: int, headers: dict[str, str] | None = None) -> HfHubHTTPError:
+    response = httpx2.Response(status, headers=headers, request=httpx2.Request("GET", "http://hub.test/x"))
+    return HfHubHTTPError(f"{status} from the Hub", response=response)
+
+
+@pytest.mark.parametrize(
+    ("error", "transient"),
+    [
+        (httpx2.ConnectError("refused"), True),
+        (httpx2.ReadTimeout("slow"), True),
+        (httpx2.RemoteProtocolError("reset"), True),
+        (LocalEntryNotFoundError("cannot find the requested files in the local cache"), True),
+        (_http(500), True),
+        (_http(503), True),
+        (_http(429), True),
+        (_http(408), True),
+        (OSError("Consistency check failed: file should be of size 10 but has size 5"), True),
+        (ConnectionError("Network error: Request error: HTTP status server error (502 Bad Gateway)"), True),
+        (_http(401), False),
+        (_http(403), False),
+        (_http(404), False),
+        (
+            ConnectionError(
+                "Network error: Request error: HTTP status client error (404 Not Found), domain: x"
+            ),
+            False,
+        ),
+        (ValueError("a bug"), False),
+    ],
+)
+def test_what_is_transient(error: BaseException, transient: bool) -> None:
+    assert is_transient(error) is transient
+
+
+def test_a_refusal_is_one_line_at_once() -> None:
+    calls = []
+
+    def fn() -> None:
+        calls.append(1)
+        raise _http(404)
+
+    with pytest.raises(HubError, match=r"^repo@main: file: 404 from the Hub$"):
+        with_retries("repo@main: file", fn, budget=60)
+    assert len(calls) == 1
+
+
+def test_the_budget_gives_up_with_exit_1_and_progress_starts_its_clock_again() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(
+        HubUnreachable, match=r"kept failing for \d+ s \(retry budget 1 s; last: refused\)"
+    ) as e:
+        with_retries(
+            "f", lambda: (_ for _ in ()).throw(httpx2.ConnectError("refused")), budget=0.6, base_delay=0.05
+        )
+    assert 0.5 < time.monotonic() - t0 < 3 and e.value.exit_code == 1
+    # a failure after bytes arrived is a new run of failures: 5 failures 0.3 s apart pass a 0.6 s budget
+    report = TaskReport()
+    attempts = []
+
+    def flaky() -> str:
+        attempts.append(1)
+        if len(attempts) <= 5:
+            report.down_bytes += 1  # it got further each time
+            time.sleep(0.3)
+            raise httpx2.ReadTimeout("cut")
+        return "done"
+
+    assert with_retries("f", flaky, budget=0.6, report=report, base_delay=0.01) == "done"
+
+
+def test_retry_after_is_honoured() -> None:
+    answers = [_http(429, {"Retry-After": "1"})]
+
+    def fn() -> str:
+        if answers:
+            raise answers.pop()
+        return "ok"
+
+    t0 = time.monotonic()
+    assert with_retries("f", fn, budget=60, base_delay=0.01) == "ok"
+    assert time.monotonic() - t0 >= 0.95
