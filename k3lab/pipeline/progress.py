@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from k3lab.util import human_bytes
+
 CHECK_EVERY = 0.5  # seconds between two asks of ``stop`` (a Dask Event is a round trip)
 
 Message = tuple  # ("start", number, who) | ("read", number, n) | ("down", number, n) | ("retry", number, text) | ("end", number, "")
@@ -124,8 +126,6 @@ class RunProgress:
         if not (self.down or self.retries) or (not force and t - self._shown < 0.5):
             return
         self._shown = t
-        from k3lab.util import human_bytes
-
         parts = []
         if self.down:
             rate = self.down / max(t - self._t0, 1e-6)
