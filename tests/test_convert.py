@@ -438,6 +438,54 @@ def test_streamed_hashes_stay_right_when_the_producer_reuses_buffers(
     assert all(b[0] < a[0] + a[1] <= b[0] + b[1] for a, b in zip(fadvised, fadvised[1:]))
 
 
+@pytest.mark.parametrize("header_pad", [0, 4096 - 64, 3000])
+def test_pieces_made_in_the_writers_buffers_give_the_same_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, header_pad: int
+) -> None:
+    """Pieces made in `GGUFStream.buffer` (sent by O_DIRECT from where they were made, the staged
+    bytes before each filling its first block) mixed with ordinary pieces and padding: the file, every
+    digest and the tensors gguf-py reads are those of plain buffered writes of the same bytes, whatever
+    a piece's offset within a disk block (header sizes vary it), and with buffers reused in rotation."""
+    import hashlib
+
+    from k3lab.formats import gguf_stream as gguf_io
+    from k3lab.formats.gguf_stream import KV, GGUFStream, TensorInfo
+
+    rng = np.random.default_rng(header_pad)
+    # odd piece sizes: some under one block, some over a staging buffer
+    sizes = [[5_849_088, 4097, 77, 5_849_088, 300_001], [1_000_003], [4096, 4096 * 3, 12_345, 5_849_088]]
+    data = [[rng.integers(0, 256, n, dtype=np.uint8) for n in t] for t in sizes]
+    infos = [TensorInfo(f"t{k}", gguf.GGMLQuantizationType.I8, (sum(t),)) for k, t in enumerate(sizes)]
+    kvs = [KV("general.name", "x" * header_pad, gguf.GGUFValueType.STRING)]
+
+    def pieces(g: GGUFStream, k: int):
+        for i, d in enumerate(data[k]):
+            if k == 1 or i == 2:  # an ordinary piece among placed ones
+                yield d
+                continue
+            buf = g.buffer(d.size)
+            buf[:] = 0xAA  # garbage first: everything written must be the piece's own
+            buf[:] = d
+            yield buf
+
+    def write(path: Path) -> tuple[bool, list[str]]:
+        with GGUFStream(path, "test", kvs, infos) as g:
+            direct = g._direct is not None
+            digests = [g.write(f"t{k}", pieces(g, k)) for k in range(len(sizes))]
+        return direct, digests
+
+    monkeypatch.setattr(gguf_io._DirectTail, "STAGE", 1 << 20)
+    direct, digests = write(tmp_path / "placed.gguf")
+    if not direct:
+        pytest.skip("SKIPPED LOUDLY: this filesystem refuses O_DIRECT; only the buffered path ran")
+    assert digests == [hashlib.sha256(b"".join(d.tobytes() for d in t)).hexdigest() for t in data]
+    monkeypatch.setattr(gguf_io._DirectTail, "open", classmethod(lambda cls, fh, partial: None))
+    assert write(tmp_path / "buffered.gguf") == (False, digests)
+    assert (tmp_path / "placed.gguf").read_bytes() == (tmp_path / "buffered.gguf").read_bytes()
+    for t, d in zip(gguf.GGUFReader(tmp_path / "placed.gguf").tensors, data):
+        assert np.array_equal(np.asarray(t.data).view(np.uint8), np.concatenate(d))
+
+
 def test_direct_and_buffered_writing_give_the_same_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

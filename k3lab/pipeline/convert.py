@@ -57,9 +57,12 @@ class Reader:
         return buf.view(NUMPY_DTYPE[e.dtype]).reshape(shape)
 
 
-def tensor_pieces(pt: PlannedTensor, reader: Reader) -> Iterator[np.ndarray]:
-    """The output bytes of one planned tensor, in the bounded pieces its transform's stream makes."""
-    return pt.job([reader.entries[n] for n in pt.sources], reader).pieces()
+def tensor_pieces(
+    pt: PlannedTensor, reader: Reader, buffer: Callable[[int], np.ndarray] | None = None
+) -> Iterator[np.ndarray]:
+    """The output bytes of one planned tensor, in the bounded pieces its transform's stream makes
+    (those it makes anew, in ``buffer``'s memory when given: the writer's, so no copy follows)."""
+    return pt.job([reader.entries[n] for n in pt.sources], reader, buffer).pieces()
 
 
 def write_tensors(
@@ -78,7 +81,7 @@ def write_tensors(
     with GGUFStream(path, arch, kvs, [t.info for t in tensors], before_commit) as g:
         for pt in tensors:
             offset = g.data_offset_next()
-            sha = g.write(pt.name, tensor_pieces(pt, reader))
+            sha = g.write(pt.name, tensor_pieces(pt, reader, g.buffer))
             records.append(
                 {
                     "name": pt.name,

@@ -69,10 +69,11 @@ class PlannedTensor:
         """The source tensor names, from the rule (not stored: an expert stack has 1,792)."""
         return tuple(self.rule.source_names(self.cfg, self.layer))
 
-    def job(self, entries: Sequence[TensorEntry], read: Any = None) -> TensorJob:
-        """What the transform's stream needs to produce this tensor from its source entries."""
+    def job(self, entries: Sequence[TensorEntry], read: Any = None, buffer: Any = None) -> TensorJob:
+        """What the transform's stream needs to produce this tensor from its source entries (``buffer``:
+        the writer's, for pieces made in place)."""
         return TensorJob(
-            self.transform_fn, entries, self.info.type, self.info.shape, self.nbytes, self.cfg, read
+            self.transform_fn, entries, self.info.type, self.info.shape, self.nbytes, self.cfg, read, buffer
         )
 
 

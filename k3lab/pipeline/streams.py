@@ -75,6 +75,8 @@ class TensorJob:
     nbytes: int
     cfg: Any  # the model's config, handed to the transform as it is
     read: Read | None = None  # None when only the memory forecast is asked for
+    # where the writer would have the next piece made (it then reaches the disk without a copy)
+    buffer: Callable[[int], np.ndarray] | None = None
 
     def pieces(self) -> Iterator[np.ndarray]:
         return self.transform.stream.pieces(self)
@@ -145,12 +147,13 @@ def _mxfp4_pieces(job: TensorJob) -> Iterator[np.ndarray]:
     assert job.read is not None
     n_expert = len(job.sources) // 2
     expert_shape = job.shape[1:-1] + (job.nbytes // n_expert // int(np.prod(job.shape[1:-1])),)
-    bufs = [np.empty(expert_shape, dtype=np.uint8) for _ in range(PIECES_RING)]
+    piece_bytes = int(np.prod(expert_shape))
+    bufs = [] if job.buffer else [np.empty(piece_bytes, dtype=np.uint8) for _ in range(PIECES_RING)]
     for e in range(n_expert):  # (packed, scale) per expert
         packed, scale = job.sources[2 * e], job.sources[2 * e + 1]
         for following in job.sources[2 * e + 2 : 2 * e + 4]:  # the next expert's, read while this one repacks
             _ahead(job, following.name)
-        buf = bufs[e % len(bufs)]
+        buf = job.buffer(piece_bytes) if job.buffer else bufs[e % len(bufs)]
         mxfp4.repack_into(job.read(packed.name), job.read(scale.name), buf, what=f"tensor {packed.name}")
         yield buf
 
