@@ -393,14 +393,15 @@ def test_streamed_hashes_stay_right_when_the_producer_reuses_buffers(
     documented rotation (PIECES_IN_FLIGHT + 1 buffers) every digest and byte is still right."""
     import hashlib
 
+    from k3lab.formats import direct_io
     from k3lab.formats import gguf_stream as gguf_io
     from k3lab.formats.gguf_stream import PIECES_IN_FLIGHT, GGUFStream, TensorInfo
 
     monkeypatch.setattr(gguf_io, "WRITEBACK_STEP", 3 << 20)  # and writeback requests on the way
     if mode == "buffered":
-        monkeypatch.setattr(gguf_io._DirectTail, "open", classmethod(lambda cls, fh, partial: None))
+        monkeypatch.setattr(direct_io.DirectTail, "open", classmethod(lambda cls, fh, partial: None))
     else:
-        monkeypatch.setattr(gguf_io._DirectTail, "STAGE", 192 << 10)  # many full staging buffers
+        monkeypatch.setattr(direct_io.DirectTail, "STAGE", 192 << 10)  # many full staging buffers
     fadvised: list[tuple[int, int]] = []
     real_fadvise = os.posix_fadvise
 
@@ -448,7 +449,7 @@ def test_pieces_made_in_the_writers_buffers_give_the_same_file(
     a piece's offset within a disk block (header sizes vary it), and with buffers reused in rotation."""
     import hashlib
 
-    from k3lab.formats import gguf_stream as gguf_io
+    from k3lab.formats import direct_io
     from k3lab.formats.gguf_stream import KV, GGUFStream, TensorInfo
 
     rng = np.random.default_rng(header_pad)
@@ -474,12 +475,12 @@ def test_pieces_made_in_the_writers_buffers_give_the_same_file(
             digests = [g.write(f"t{k}", pieces(g, k)) for k in range(len(sizes))]
         return direct, digests
 
-    monkeypatch.setattr(gguf_io._DirectTail, "STAGE", 1 << 20)
+    monkeypatch.setattr(direct_io.DirectTail, "STAGE", 1 << 20)
     direct, digests = write(tmp_path / "placed.gguf")
     if not direct:
         pytest.skip("SKIPPED LOUDLY: this filesystem refuses O_DIRECT; only the buffered path ran")
     assert digests == [hashlib.sha256(b"".join(d.tobytes() for d in t)).hexdigest() for t in data]
-    monkeypatch.setattr(gguf_io._DirectTail, "open", classmethod(lambda cls, fh, partial: None))
+    monkeypatch.setattr(direct_io.DirectTail, "open", classmethod(lambda cls, fh, partial: None))
     assert write(tmp_path / "buffered.gguf") == (False, digests)
     assert (tmp_path / "placed.gguf").read_bytes() == (tmp_path / "buffered.gguf").read_bytes()
     for t, d in zip(gguf.GGUFReader(tmp_path / "placed.gguf").tensors, data):
@@ -491,7 +492,7 @@ def test_direct_and_buffered_writing_give_the_same_file(
 ) -> None:
     """O_DIRECT staging (aligned blocks, the header's last block rewritten, an unaligned tail) against
     plain buffered writes: odd piece sizes, padding between tensors, many staging buffers."""
-    from k3lab.formats import gguf_stream as gguf_io
+    from k3lab.formats import direct_io
     from k3lab.formats.gguf_stream import KV, GGUFStream, TensorInfo
 
     rng = np.random.default_rng(11)
@@ -507,10 +508,10 @@ def test_direct_and_buffered_writing_give_the_same_file(
                 g.write(f"t{k}", (d[i : i + 65_537] for i in range(0, len(d), 65_537)))
         return direct
 
-    monkeypatch.setattr(gguf_io._DirectTail, "STAGE", 256 << 10)
+    monkeypatch.setattr(direct_io.DirectTail, "STAGE", 256 << 10)
     if not write(tmp_path / "direct.gguf"):
         pytest.skip("SKIPPED LOUDLY: this filesystem refuses O_DIRECT; only the buffered path ran")
-    monkeypatch.setattr(gguf_io._DirectTail, "open", classmethod(lambda cls, fh, partial: None))
+    monkeypatch.setattr(direct_io.DirectTail, "open", classmethod(lambda cls, fh, partial: None))
     assert not write(tmp_path / "buffered.gguf")
     assert (tmp_path / "direct.gguf").read_bytes() == (tmp_path / "buffered.gguf").read_bytes()
     r = gguf.GGUFReader(tmp_path / "direct.gguf")

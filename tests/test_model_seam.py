@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import re
 from pathlib import Path
 
 import gguf
@@ -118,3 +119,41 @@ def test_a_toy_plan_is_never_taken_for_a_kimi_plan(tmp_path: Path) -> None:
     assert folder.load_plan(KIMI) is None  # another model's plan reads as absent
     digest = hashlib.sha256((out / "Toy-MXFP4-00001-of-00003.gguf").read_bytes()).hexdigest()
     assert len(digest) == 64
+
+
+def _readme_layout() -> dict[str, set[str]]:
+    """The README's layout block: folder (``""`` for the package itself) -> the files it names."""
+    text = (PACKAGE.parent / "README.md").read_text()
+    block = text[text.index("```\nk3lab/\n") + 4 :]
+    block = block[: block.index("```")]
+    named: dict[str, set[str]] = {}
+    folder = ""
+    for line in block.splitlines()[1:]:
+        indent = len(line) - len(line.lstrip())
+        head = line.split()[0] if line.strip() else ""
+        if indent == 2 and head.endswith("/"):
+            folder = head.rstrip("/")
+            continue
+        if indent == 2:
+            folder = ""
+        if indent in (2, 4):  # (deeper lines continue a description)
+            first = re.split(r"\s{2,}", line.strip())[0]  # the names, before the description
+            names = re.findall(r"\b[a-z_0-9]+\.(?:py|md)\b", first)
+            named.setdefault(folder, set()).update(names)
+    return named
+
+
+def test_the_readme_layout_matches_the_tree() -> None:
+    """Every public module of the package, formats, pipeline and kimi_k3 is named where it lives in the
+    README's layout section, and every file named there exists."""
+    named = _readme_layout()
+    for folder in ("", "formats", "pipeline", "kimi_k3"):
+        here = {
+            p.name
+            for p in (PACKAGE / folder).iterdir()
+            if p.suffix in (".py", ".md") and not p.name.startswith("_")
+        }
+        assert named.get(folder, set()) == here, (
+            f"README layout, k3lab/{folder}: not named {sorted(here - named.get(folder, set()))}, "
+            f"named but missing {sorted(named.get(folder, set()) - here)}"
+        )

@@ -17,9 +17,9 @@ import errno
 import json
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from k3lab.errors import K3LabError
 
@@ -141,6 +141,36 @@ def fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):
         os.fsync(fd)
     os.close(fd)
+
+
+def write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+    """``write(fh)`` into ``path.PID.partial`` (created new, never through a symlink), fsync, rename:
+    ``path`` is old or new, never half, and a symlink at ``path`` is refused, not replaced. A failure
+    removes the partial file (only a regular file of that name: k3lab's own) and is raised as it is."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # concurrent writers never share one
+    try:
+        _remove_regular(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with open(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if path.is_symlink():
+            raise InputFileError(f"{path}: is a symlink; k3lab never writes through one (remove it)")
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        _remove_regular(tmp)
+        raise
+
+
+def _remove_regular(path: Path) -> None:
+    """A file of this very name that is a regular file is k3lab's own partial (this pid's, or an
+    earlier killed process's of the same pid); anything else there (a symlink) is left, and creating
+    the partial then fails."""
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            path.unlink(missing_ok=True)
 
 
 def json_bytes(data: Any, indent: int | None = None) -> bytes:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import mmap
 import os
 import shutil
 import stat
@@ -28,6 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWrit
 
 from k3lab.errors import K3LabError, MachineError
 from k3lab.formats import hashing
+from k3lab.formats.direct_io import DirectTail, aligned
 from k3lab.formats.files import fsync_dir
 
 ALIGNMENT = 32  # GGUF default
@@ -124,7 +124,7 @@ class GGUFStream:
         self._writeback: ThreadPoolExecutor | None = None
         self._writeback_requests: list[Future] = []
         self._io: ThreadPoolExecutor | None = None
-        self._direct: _DirectTail | None = None
+        self._direct: DirectTail | None = None
         self._ring: list[np.ndarray | None] = [None] * (PIECES_IN_FLIGHT + 1)  # buffers `buffer` lends
         self._turn = 0
         self._lent: tuple[np.ndarray, np.ndarray, int] | None = None  # (piece, its block, lead) last lent
@@ -150,7 +150,7 @@ class GGUFStream:
             self._fh = self._writer.fout[0]
             self._pos = self._fh.tell()  # bytes handed to the I/O thread so far
             self.data_start = self.data_offset_next()
-            self._direct = _DirectTail.open(self._fh, self.partial) if self.infos else None
+            self._direct = DirectTail.open(self._fh, self.partial) if self.infos else None
         except BaseException as e:
             fout = self._writer.fout
             for fh in fout or []:
@@ -212,13 +212,13 @@ class GGUFStream:
         its file position has within a disk block, so the direct writer sends it as it is (a repacked
         MXFP4 expert would otherwise be copied once more, ~7 s of a core per 17 GB shard). The buffers
         rotate like a producer's own: one stays valid until PIECES_IN_FLIGHT more pieces are handed over."""
-        lead = self._pos % _DirectTail.BLOCK if self._direct is not None else 0
+        lead = self._pos % DirectTail.BLOCK if self._direct is not None else 0
         slot = self._turn % len(self._ring)
         self._turn += 1
-        need = lead + nbytes + -(lead + nbytes) % _DirectTail.BLOCK
+        need = lead + nbytes + -(lead + nbytes) % DirectTail.BLOCK
         block = self._ring[slot]
         if block is None or block.size < need:
-            block = self._ring[slot] = _aligned(need)
+            block = self._ring[slot] = aligned(need)
         piece = block[lead : lead + nbytes]
         self._lent = (piece, block, lead)
         return piece
@@ -333,97 +333,6 @@ class GGUFStream:
         self.partial.unlink(missing_ok=True)
         if error is not None:
             raise _explained(error, self.path, "the end of the file", self._expected_size()) from None
-
-
-class _DirectTail:
-    """Tensor data written with O_DIRECT: the kernel copies nothing into the page cache (on a 2-core
-    machine that copy costs as much CPU as the SHA-256 of the same bytes). Bytes gather in an aligned
-    staging buffer that starts at the block boundary at or before the data; each full buffer is one
-    aligned direct write (its first one rewrites the header's last block with the same bytes); the
-    unaligned remainder goes through the ordinary descriptor at the end. Where the filesystem has no
-    O_DIRECT (tmpfs), ``open`` returns None and the writer stays buffered."""
-
-    BLOCK = 4096
-    STAGE = 8 << 20
-
-    def __init__(self, fd: int, plain: int, start: int, partial: Path):
-        self.fd, self.plain = fd, plain
-        self.base = start - start % self.BLOCK  # file offset of stage[0]
-        self.stage = mmap.mmap(-1, self.STAGE)  # page-aligned
-        self.fill = start - self.base
-        with open(partial, "rb") as fh:  # the header's last block (the writer's descriptor is write-only)
-            fh.seek(self.base)
-            self.stage[: self.fill] = fh.read(self.fill)
-
-    @classmethod
-    def open(cls, fh: Any, partial: Path) -> _DirectTail | None:
-        flag = getattr(os, "O_DIRECT", 0)
-        if not flag:
-            return None
-        fh.flush()
-        try:
-            fd = os.open(partial, os.O_WRONLY | flag)
-        except OSError:
-            return None
-        try:
-            return cls(fd, fh.fileno(), fh.tell(), partial)
-        except OSError:
-            os.close(fd)
-            return None
-
-    def write(self, data: bytes | memoryview) -> None:
-        view = memoryview(data).cast("B")
-        while view:
-            n = min(len(view), self.STAGE - self.fill)
-            self.stage[self.fill : self.fill + n] = view[:n]
-            self.fill += n
-            view = view[n:]
-            if self.fill == self.STAGE:
-                self._put(self.fd, self.STAGE)
-                self.base += self.STAGE
-                self.fill = 0
-
-    def write_placed(self, block: np.ndarray, lead: int, nbytes: int) -> None:
-        """A piece made in ``block[lead:lead + nbytes]``: ``block`` is aligned and ``lead`` is the
-        piece's file offset within its disk block. The bytes staged before it fill ``block[:lead]``,
-        the whole blocks go out from ``block`` itself, and the last partial block is staged."""
-        before = self.fill - lead  # staged bytes of whole blocks before the piece's first block
-        if before:
-            self._put(self.fd, before)
-            self.base += before
-        block[:lead] = np.frombuffer(self.stage, np.uint8, lead, before)
-        end = lead + nbytes
-        whole = end - end % self.BLOCK
-        _pwrite_all(self.fd, memoryview(block[:whole]), self.base)
-        self.base += whole
-        self.stage[: end - whole] = block[whole:end].tobytes()  # under one block
-        self.fill = end - whole
-
-    def _put(self, fd: int, n: int) -> None:
-        with memoryview(self.stage) as whole:
-            _pwrite_all(fd, whole[:n], self.base)
-
-    def finish(self) -> None:
-        """The last, unaligned stretch through the ordinary descriptor (fsynced with the file)."""
-        os.fsync(self.fd)
-        self._put(self.plain, self.fill)
-
-    def close(self) -> None:
-        os.close(self.fd)
-        self.stage.close()
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)
-
-
-def _aligned(nbytes: int) -> np.ndarray:
-    """``nbytes`` of memory starting on a disk block boundary (what O_DIRECT writes from)."""
-    raw = np.empty(nbytes + _DirectTail.BLOCK, dtype=np.uint8)
-    start = -raw.ctypes.data % _DirectTail.BLOCK
-    return raw[start : start + nbytes]
 
 
 def _explained(e: BaseException, path: Path, what: str, size: int) -> BaseException:

@@ -63,8 +63,14 @@ def wait(upto: int | None = None) -> None:
     """Block until this thread's updates queued before mark `upto` (all, by default) are done, so
     that the buffers they read may be reused, or digests read."""
     pending = _queue.pending
+    error: BaseException | None = None
     while pending and (upto is None or pending[0][0] < upto):
-        pending.popleft()[1].result()
+        try:
+            pending.popleft()[1].result()
+        except BaseException as e:  # the rest is still waited for: their buffers are in use too,
+            error = error or e  # and a later run in this thread must not meet this failure again
+    if error is not None:
+        raise error
 
 
 def sha256() -> Any:

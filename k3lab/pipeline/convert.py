@@ -10,10 +10,12 @@ streams hold at once, which the plan forecasts per file.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,20 @@ from k3lab.pipeline.plan import Plan, PlanError, PlannedTensor
 from k3lab.pipeline.progress import NO_REPORT, TaskReport
 from k3lab.pipeline.record import Record
 from k3lab.pipeline.sources import Source
+
+READ_FIRST = 256 << 20  # bytes read ahead at a task's start: about what the disk reads while numba loads
+
+
+def prepare_streams(tensors: Iterable[PlannedTensor]) -> None:
+    """Start loading the compiled code these tensors' streams use, in the background: the first
+    piece that needs it waits for it (its loader holds a lock), the rest of the set-up does not."""
+    for prepare in {t.transform_fn.stream.prepare for t in tensors} - {None}:
+        threading.Thread(target=_quietly, args=(prepare,), name="k3lab-prepare", daemon=True).start()
+
+
+def _quietly(prepare: Callable[[], None]) -> None:
+    with contextlib.suppress(Exception):  # the stream's own call meets the same error, and says it
+        prepare()
 
 
 class Reader:
@@ -43,6 +59,16 @@ class Reader:
         stop = rows if row_stop is None else row_stop
         row_bytes = e.nbytes // rows if rows else 0
         return e, stop, row_start * row_bytes, (stop - row_start) * row_bytes
+
+    def start(self, names: Iterable[str], nbytes: int = READ_FIRST) -> None:
+        """Start reading the first ``nbytes`` of these tensors from disk now, while the task sets up
+        (its streams' compiled code loads meanwhile: ``prepare_streams``)."""
+        for name in names:
+            if nbytes <= 0:
+                break
+            e = self.entries[name]
+            self.source.will_need(e, 0, min(e.nbytes, nbytes))
+            nbytes -= e.nbytes
 
     def ahead(self, name: str, row_start: int = 0, row_stop: int | None = None) -> None:
         """Start reading those rows from disk now (the stream reads them next)."""
@@ -149,12 +175,14 @@ def convert_file(
     if not force and folder.is_complete(number, pf.filename, pf.digest):
         report.read(pf.source_bytes)
         return FileResult(number, pf.filename, True, 0.0, pf.nbytes)
+    prepare_streams(pf.tensors)
     kvs = file_kvs(plan, number, folder)
     path = folder.output(pf.filename)
     source.acquire(pf.source_file, report)
     try:
         entries = shard_entries(plan, number, source)
         reader = Reader(source, entries, report)
+        reader.start(n for t in pf.tensors for n in t.sources)
         records, data_start = write_tensors(
             path,
             plan.model.name,

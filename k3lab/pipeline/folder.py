@@ -43,11 +43,11 @@ from typing import Any, BinaryIO
 from k3lab.errors import K3LabError, MachineError
 from k3lab.formats.files import (
     InputFileError,
-    fsync_dir,
     json_bytes,
     open_lock_file,
     read_bounded,
     read_json,
+    write_atomically,
 )
 from k3lab.formats.gguf_stream import KV, kvs_from_json, kvs_to_json
 from k3lab.pipeline.model import Model
@@ -190,21 +190,11 @@ class OutputFolder:
 
     # --- writing files ---------------------------------------------------------------------------
     def write_atomically(self, path: Path, write: Callable[[BinaryIO], Any]) -> None:
-        """``write(fh)`` into ``path.PID.partial`` (created new, never through a symlink), fsync,
-        rename: ``path`` is old or new, never half. A failure removes the partial file and names
-        ``path``."""
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # concurrent writers never share one
+        """``files.write_atomically``, with a full disk or a stranger's file in the way as one line
+        naming ``path``."""
         try:
-            _remove_own_partial(tmp)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-            with open(fd, "wb") as fh:
-                write(fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-            fsync_dir(path.parent)
+            write_atomically(path, write)
         except BaseException as e:
-            _remove_own_partial(tmp)
             raise _disk_full(e, path) from None
 
     def _write_state(self, name: str, kind: str, body: Any) -> Path:
@@ -461,13 +451,6 @@ def _is_regular_file(path: Path) -> bool:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except OSError:
         return False
-
-
-def _remove_own_partial(tmp: Path) -> None:
-    """A partial of this very name (this pid's, or an earlier killed process's of the same pid) is
-    k3lab's own; anything else there (a symlink) is left, and creating the partial then fails."""
-    if _is_regular_file(tmp):
-        tmp.unlink(missing_ok=True)
 
 
 def _disk_full(e: BaseException, path: Path) -> BaseException:

@@ -38,10 +38,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from k3lab.errors import K3LabError
-from k3lab.formats.files import read_chunks
+from k3lab.formats.files import read_chunks, write_atomically
 from k3lab.formats.hashing import git_blob_hash
 from k3lab.formats.safetensors import MAX_HEADER
 from k3lab.pipeline.progress import NO_REPORT, Cancelled, TaskReport
@@ -402,26 +402,15 @@ def _read_fetched(path: Path) -> dict[str, str]:
 
 
 def _write_fetched(path: Path, fetched: dict[str, str]) -> None:
-    _install_bytes(json.dumps(fetched, indent=1, sort_keys=True).encode(), path)
+    data = json.dumps(fetched, indent=1, sort_keys=True).encode()
+    write_atomically(path, lambda fh: fh.write(data))
 
 
 def _install(src: Path, dst: Path) -> None:
     """Copy a downloaded file into place atomically (never through a symlink at ``dst``)."""
-    _install_bytes(b"".join(read_chunks(src, 1 << 30, "downloaded file")), dst)
 
+    def copy(fh: BinaryIO) -> None:
+        for chunk in read_chunks(src, 1 << 30, "downloaded file"):
+            fh.write(chunk)
 
-def _install_bytes(data: bytes, dst: Path) -> None:
-    tmp = dst.with_name(f".{dst.name}.k3lab-partial")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if dst.is_symlink():
-            raise HubError(f"{dst}: is a symlink; k3lab never writes through one")
-        os.replace(tmp, dst)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomically(dst, copy)
