@@ -90,3 +90,35 @@ def test_a_task_on_a_file_without_mxfp4_never_imports_numba(tiny_src: Path, tmp_
     code_moe = code.replace("'--shards', '9'", "'--shards', '3'")  # a MoE layer: repacked, so loaded
     out = subprocess.run([sys.executable, "-c", code_moe], capture_output=True, text=True, check=True).stdout
     assert out.split()[-2:] == ["0", "True"], out
+
+
+def test_a_failed_background_write_is_raised_once_and_the_queue_is_drained() -> None:
+    """`hashing.wait` raises the first failure only after everything queued before it is done (their
+    buffers are still in use), and leaves nothing behind: the thread's next run starts clean."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from k3lab.formats import hashing
+
+    release = threading.Event()
+    done: list[int] = []
+
+    def fail() -> None:
+        raise OSError(28, "No space left on device")
+
+    def slow() -> None:
+        release.wait(5)
+        done.append(1)
+
+    with ThreadPoolExecutor(2) as pool:
+        hashing.track(pool.submit(fail))
+        hashing.track(pool.submit(slow))
+        threading.Timer(0.2, release.set).start()
+        try:
+            hashing.wait()
+        except OSError as e:
+            assert e.errno == 28
+        else:
+            raise AssertionError("the failure was not raised")
+        assert done == [1]  # the later write was waited for
+        hashing.wait()  # and nothing of the failed run is left to raise again
