@@ -53,9 +53,10 @@ def _source_spec(args: argparse.Namespace, out_dir: str | Path | None = None) ->
     or a temporary folder for commands that write no folder)."""
     import os
 
+    from k3lab.formats.safetensors import INDEX_NAME
     from k3lab.pipeline.folder import OutputFolder
     from k3lab.pipeline.hub import hub_spec
-    from k3lab.pipeline.sources import INDEX_NAME, SourceSpec
+    from k3lab.pipeline.sources import SourceSpec
 
     model = _model()
     repo = getattr(args, "repo", None)

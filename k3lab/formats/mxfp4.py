@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -100,16 +99,8 @@ def _repack_words(src: np.ndarray, scale: np.ndarray, dst: np.ndarray) -> None: 
             dst[d + 2 + 2 * m] = np.uint8((odd >> shift) & np.uint64(0xFF))
 
 
-_kernel_lock = threading.Lock()  # one load, whichever thread asks first (see ``load_kernel``)
-
-
-def _kernel() -> Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None:
-    with _kernel_lock:
-        return _compiled()
-
-
 @functools.lru_cache(maxsize=1)
-def _compiled() -> Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None:
+def _kernel() -> Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None:
     """The compiled kernel, made on the first repack (numba costs ~70 MB and a few hundred ms to
     import: a process that converts no MXFP4 tensor never pays it). Compiled once per machine:
     numba's on-disk cache keeps it. None where numba is missing (the numpy path then serves)."""
@@ -118,16 +109,6 @@ def _compiled() -> Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None:
     except ImportError:  # pragma: no cover
         return None
     return numba.njit(cache=True, nogil=True, boundscheck=False)(_repack_words)
-
-
-def load_kernel() -> None:
-    """Load the compiled kernel now, for the argument types a conversion passes (read-only source
-    pages): numba's import and its on-disk cache cost ~0.4 s, which a task spends in the background
-    while its first bytes come from the disk."""
-    packed, scale = np.zeros((1, 16), np.uint8), np.zeros((1, 1), np.uint8)
-    packed.setflags(write=False)
-    scale.setflags(write=False)
-    repack(packed, scale)
 
 
 def repack_into(

@@ -1,4 +1,5 @@
-"""The safetensors file format: a validated header reader and a streaming writer. Nothing model-specific.
+"""The safetensors file format: a validated header reader, a streaming writer, and the validated index
+of a sharded checkpoint. Nothing model-specific.
 
 Layout: u64 little-endian header length N, N bytes of JSON (padded with spaces to 8-byte
 alignment), then the data section; each tensor's ``data_offsets`` are relative to its start.
@@ -14,13 +15,13 @@ import os
 import re
 import struct
 from collections.abc import Iterable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
 import numpy as np
 
 from k3lab.errors import K3LabError
-from k3lab.formats.files import InputFileError, open_regular
+from k3lab.formats.files import InputFileError, open_regular, read_json
 
 DTYPE_SIZE = {
     "BOOL": 1,
@@ -60,10 +61,59 @@ NUMPY_DTYPE = {
     "F64": np.float64,
 }
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
+INDEX_NAME = "model.safetensors.index.json"  # a sharded checkpoint's index: tensor name -> shard file
+INDEX_LIMIT = 512 * 1024 * 1024  # the real index is ~40 MB
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class SafetensorsError(K3LabError):
     """A safetensors file is malformed; the message names the file and, where known, the tensor."""
+
+
+# --- the index of a sharded checkpoint (maybe a stranger's) ---
+
+
+def check_shard_name(name: str, where: str) -> None:
+    """A file name from an index (maybe a stranger's) must be a relative path inside the source:
+    no absolute path, no ``..``, no control characters (NUL, newline). One line naming the entry."""
+    parts = PurePosixPath(name).parts
+    if (
+        not name
+        or _CONTROL.search(name)
+        or "\\" in name
+        or name.startswith("/")
+        or any(p in ("..", ".") for p in parts)
+        or not name.endswith(".safetensors")
+    ):
+        raise SafetensorsError(
+            f"{where}: names file {name!r}; an index may only name .safetensors files inside the checkpoint "
+            "(a relative path, no '..')"
+        )
+
+
+def read_index(*dirs: str | Path) -> tuple[Path, dict[str, str]]:
+    """The first ``model.safetensors.index.json`` found in ``dirs``: (its path, weight_map)."""
+    for d in dirs:
+        path = Path(d) / INDEX_NAME
+        if path.exists() or path.is_symlink():
+            index = read_json(path, INDEX_LIMIT, "safetensors index")
+            try:
+                weight_map = index["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError("weight_map is not an object")
+                if not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                    raise TypeError("weight_map maps tensor names to file names (strings)")
+            except (KeyError, TypeError) as e:
+                raise SafetensorsError(f"{path}: not a safetensors index ({type(e).__name__}: {e})") from None
+            files: dict[str, str] = {}  # one string object per file name: 500k entries share 96
+            for name, file in weight_map.items():
+                if file not in files:
+                    check_shard_name(file, f"{path}: tensor {name}")
+                    files[file] = file
+                if _CONTROL.search(name):
+                    raise SafetensorsError(f"{path}: tensor name {name!r} holds a control character")
+            return path, {k: files[v] for k, v in weight_map.items()}
+    raise SafetensorsError(f"{INDEX_NAME} not found in {', '.join(str(d) for d in dirs)}")
 
 
 class TensorEntry(NamedTuple):

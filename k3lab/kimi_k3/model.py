@@ -4,6 +4,7 @@ mmproj. The front passes ``MODEL`` to the pipeline, which imports nothing from h
 
 from __future__ import annotations
 
+from k3lab.formats.safetensors import INDEX_NAME
 from k3lab.kimi_k3.config import K3Config
 from k3lab.kimi_k3.keys import ARCH, file_kvs, tokenizer_kvs
 from k3lab.kimi_k3.layout import unit_layout
@@ -11,7 +12,6 @@ from k3lab.kimi_k3.mmproj import MMPROJ
 from k3lab.kimi_k3.rules import RULES, TEXT_PREFIX, config_tags, layer_of, unit_tags
 from k3lab.kimi_k3.transforms import TRANSFORMS
 from k3lab.pipeline.model import Model
-from k3lab.pipeline.sources import INDEX_NAME
 
 # the metadata files a conversion is planned from (their bytes are part of the plan's digest)
 META_FILES = ("config.json", INDEX_NAME, "tiktoken.model", "tokenizer_config.json")

@@ -26,25 +26,24 @@ import hashlib
 import importlib
 import mmap
 import os
-import re
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from k3lab.errors import K3LabError
-from k3lab.formats.files import open_regular, read_chunks, read_json
+from k3lab.formats.files import open_regular, read_chunks
 from k3lab.formats.safetensors import (
     TensorEntry,
     parse_header,
+    read_index,
     read_raw_header,
     read_tensor,
 )
 from k3lab.pipeline.progress import NO_REPORT, TaskReport
 
-INDEX_NAME = "model.safetensors.index.json"
 MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 DROP_LAG = 8  # pieces mapped since: a piece this old is hashed, written and unmapped (2-3 are alive)
 # source kinds: kind -> the module defining ``open_source(spec)`` (imported when first opened)
@@ -55,52 +54,7 @@ class SourceError(K3LabError):
     """The index and the files disagree, or a file is missing."""
 
 
-INDEX_LIMIT = 512 * 1024 * 1024  # the real index is ~40 MB
 META_LIMIT = 256 * 1024 * 1024  # a config, tokenizer file or template larger than this is not one
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-
-
-def check_shard_name(name: str, where: str) -> None:
-    """A file name from an index (maybe a stranger's) must be a relative path inside the source:
-    no absolute path, no ``..``, no control characters (NUL, newline). One line naming the entry."""
-    parts = PurePosixPath(name).parts
-    if (
-        not name
-        or _CONTROL.search(name)
-        or "\\" in name
-        or name.startswith("/")
-        or any(p in ("..", ".") for p in parts)
-        or not name.endswith(".safetensors")
-    ):
-        raise SourceError(
-            f"{where}: names file {name!r}; an index may only name .safetensors files inside the checkpoint "
-            "(a relative path, no '..')"
-        )
-
-
-def read_index(*dirs: str | Path) -> tuple[Path, dict[str, str]]:
-    """The first ``model.safetensors.index.json`` found in ``dirs``: (its path, weight_map)."""
-    for d in dirs:
-        path = Path(d) / INDEX_NAME
-        if path.exists() or path.is_symlink():
-            index = read_json(path, INDEX_LIMIT, "safetensors index")
-            try:
-                weight_map = index["weight_map"]
-                if not isinstance(weight_map, dict):
-                    raise TypeError("weight_map is not an object")
-                if not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-                    raise TypeError("weight_map maps tensor names to file names (strings)")
-            except (KeyError, TypeError) as e:
-                raise SourceError(f"{path}: not a safetensors index ({type(e).__name__}: {e})") from None
-            files: dict[str, str] = {}  # one string object per file name: 500k entries share 96
-            for name, file in weight_map.items():
-                if file not in files:
-                    check_shard_name(file, f"{path}: tensor {name}")
-                    files[file] = file
-                if _CONTROL.search(name):
-                    raise SourceError(f"{path}: tensor name {name!r} holds a control character")
-            return path, {k: files[v] for k, v in weight_map.items()}
-    raise SourceError(f"{INDEX_NAME} not found in {', '.join(str(d) for d in dirs)}")
 
 
 def sha256_file(path: Path, limit: int = META_LIMIT) -> str:

@@ -94,7 +94,6 @@ class Stream:
     memory: Callable[[TensorJob], int]
     doc: str
     fixed: int = 0  # paid once per process that runs this stream (compiled code)
-    prepare: Callable[[], None] | None = None  # loads that code: a task starts it in the background
 
 
 def _slab_rows(src: SourceTensor) -> int:
@@ -189,14 +188,7 @@ STREAMS = {
         Stream("rows", _rows_pieces, _rows_memory, "a slab of rows at a time"),
         Stream("each", _each_pieces, _each_memory, "one source after another"),
         # numba and its compiled repack kernel: 63 MiB measured on x86-64 (`benchmarks/run.py fullscale`)
-        Stream(
-            "mxfp4",
-            _mxfp4_pieces,
-            _mxfp4_memory,
-            "one expert repacked at a time",
-            fixed=63 << 20,
-            prepare=mxfp4.load_kernel,
-        ),
+        Stream("mxfp4", _mxfp4_pieces, _mxfp4_memory, "one expert repacked at a time", fixed=63 << 20),
         Stream("whole", _whole_pieces, _whole_memory, "all sources read whole, transformed once"),
     )
 }
