@@ -194,6 +194,7 @@ print(t1 - t0, t2 - t1)
 
 
 ROUNDS = 3
+LAYER_ROUNDS = 7  # a few seconds a pair, and the pairs scatter most: more of them for the median
 
 
 def _median(values: list[float]) -> float:
@@ -349,7 +350,7 @@ def bench_fullscale() -> list[tuple[str, str, str]]:
         lbase = [*k3, "convert", "--meta", str(layer), "--out-dir", str(lout), "--quiet", "--shards", "2"]
         subprocess.run([*lbase], check=True, capture_output=True)  # the plan, made once
         conv, cps = [], []
-        for _ in range(ROUNDS):
+        for _ in range(LAYER_ROUNDS):
             _fresh(lout)
             conv.append(_run_timed([*lbase, "--force"])[0])
             _fresh(lout)

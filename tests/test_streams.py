@@ -122,3 +122,25 @@ def test_a_failed_background_write_is_raised_once_and_the_queue_is_drained() -> 
             raise AssertionError("the failure was not raised")
         assert done == [1]  # the later write was waited for
         hashing.wait()  # and nothing of the failed run is left to raise again
+
+
+def test_a_task_asks_the_disk_for_its_first_bytes_up_front() -> None:
+    """`Reader.start`: the first `nbytes` of the tensors, in the order they are written, are hinted
+    (whole tensors, then part of the one the budget ends in), and nothing beyond."""
+    from k3lab.formats.safetensors import TensorEntry
+    from k3lab.pipeline.convert import Reader
+
+    class Hints:
+        def __init__(self) -> None:
+            self.log: list[tuple[str, int, int]] = []
+
+        def will_need(self, entry: TensorEntry, offset: int, nbytes: int) -> None:
+            self.log.append((entry.name, offset, nbytes))
+
+    entries = {
+        n: TensorEntry(n, "U8", (size,), 8, size, "shard.safetensors")
+        for n, size in [("a", 100), ("b", 300), ("c", 500), ("d", 50)]
+    }
+    source = Hints()
+    Reader(source, entries).start(["b", "a", "c", "d"], 600)  # type: ignore[arg-type]
+    assert source.log == [("b", 0, 300), ("a", 0, 100), ("c", 0, 200)]
