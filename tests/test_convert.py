@@ -454,15 +454,20 @@ def test_pieces_made_in_the_writers_buffers_give_the_same_file(
 
     rng = np.random.default_rng(header_pad)
     # odd piece sizes: some under one block, some over a staging buffer
-    sizes = [[5_849_088, 4097, 77, 5_849_088, 300_001], [1_000_003], [4096, 4096 * 3, 12_345, 5_849_088]]
+    sizes = [[5_849_088, 4097, 77, 5_849_088, 300_001], [1_000_003], [4097, 4096 * 3, 12_345, 5_849_088]]
     data = [[rng.integers(0, 256, n, dtype=np.uint8) for n in t] for t in sizes]
     infos = [TensorInfo(f"t{k}", gguf.GGMLQuantizationType.I8, (sum(t),)) for k, t in enumerate(sizes)]
     kvs = [KV("general.name", "x" * header_pad, gguf.GGUFValueType.STRING)]
+
+    early = np.empty(0, np.uint8)
 
     def pieces(g: GGUFStream, k: int):
         for i, d in enumerate(data[k]):
             if k == 1 or i == 2:  # an ordinary piece among placed ones
                 yield d
+                continue
+            if k == 2 and i == 0:  # asked for before `write` padded the tensor's start: not its offset
+                yield early
                 continue
             buf = g.buffer(d.size)
             buf[:] = 0xAA  # garbage first: everything written must be the piece's own
@@ -470,9 +475,13 @@ def test_pieces_made_in_the_writers_buffers_give_the_same_file(
             yield buf
 
     def write(path: Path) -> tuple[bool, list[str]]:
+        nonlocal early
         with GGUFStream(path, "test", kvs, infos) as g:
             direct = g._direct is not None
-            digests = [g.write(f"t{k}", pieces(g, k)) for k in range(len(sizes))]
+            digests = [g.write(f"t{k}", pieces(g, k)) for k in range(2)]
+            early = g.buffer(data[2][0].size)  # (t1 ends unaligned: write pads before t2's first piece)
+            early[:] = data[2][0]
+            digests.append(g.write("t2", pieces(g, 2)))
         return direct, digests
 
     monkeypatch.setattr(direct_io.DirectTail, "STAGE", 1 << 20)

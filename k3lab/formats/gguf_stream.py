@@ -210,8 +210,10 @@ class GGUFStream:
         for by the producer of ``write``'s pieces, one piece at a time). A piece made in it and handed
         to ``write`` reaches the disk without a copy: it already lies in aligned memory at the offset
         its file position has within a disk block, so the direct writer sends it as it is (a repacked
-        MXFP4 expert would otherwise be copied once more, ~7 s of a core per 17 GB shard). The buffers
-        rotate like a producer's own: one stays valid until PIECES_IN_FLIGHT more pieces are handed over."""
+        MXFP4 expert would otherwise be copied once more, ~7 s of a core per 17 GB shard). A buffer
+        asked for at another moment (ahead of its piece, before ``write`` began) is written right, by
+        the copying path. The buffers rotate like a producer's own: one stays valid until
+        PIECES_IN_FLIGHT more pieces are handed over."""
         lead = self._pos % DirectTail.BLOCK if self._direct is not None else 0
         slot = self._turn % len(self._ring)
         self._turn += 1
@@ -236,7 +238,14 @@ class GGUFStream:
             mv = hashing.as_bytes(piece)
             hashing.update(h, mv)  # on the other core, while this one makes the next piece
             lent, self._lent = self._lent, None
-            if lent is not None and piece is lent[0] and self._direct is not None:
+            # placed only where it was lent for this very offset (a producer that asked ahead of
+            # its pieces gets the ordinary, copying path: right bytes, one copy more)
+            if (
+                lent is not None
+                and piece is lent[0]
+                and self._direct is not None
+                and lent[2] == self._pos % DirectTail.BLOCK
+            ):
                 self._submit_placed(lent[1], lent[2], mv.nbytes, f"tensor {name}")
             else:
                 self._submit_write(mv, f"tensor {name}")
