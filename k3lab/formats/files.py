@@ -149,7 +149,7 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
     removes the partial file (only a regular file of that name: k3lab's own) and is raised as it is."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # concurrent writers never share one
     try:
-        _remove_regular(tmp)
+        remove_regular(tmp)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         with open(fd, "wb") as fh:
             write(fh)
@@ -160,17 +160,25 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except BaseException:
-        _remove_regular(tmp)
+        remove_regular(tmp)
         raise
 
 
-def _remove_regular(path: Path) -> None:
-    """A file of this very name that is a regular file is k3lab's own partial (this pid's, or an
-    earlier killed process's of the same pid); anything else there (a symlink) is left, and creating
-    the partial then fails."""
-    with contextlib.suppress(FileNotFoundError):
-        if stat.S_ISREG(os.lstat(path).st_mode):
-            path.unlink(missing_ok=True)
+def is_regular_file(path: Path) -> bool:
+    """Whether ``path`` itself (not a symlink's target) is a regular file."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def remove_regular(path: Path) -> bool:
+    """Delete ``path`` if it is a regular file (k3lab's own, by its name: a partial of an earlier,
+    killed write); a symlink or anything else of that name is left alone. Whether it deleted one."""
+    if not is_regular_file(path):
+        return False
+    path.unlink(missing_ok=True)
+    return True
 
 
 def json_bytes(data: Any, indent: int | None = None) -> bytes:

@@ -15,7 +15,6 @@ import contextlib
 import errno
 import os
 import shutil
-import stat
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWrit
 from k3lab.errors import K3LabError, MachineError
 from k3lab.formats import hashing
 from k3lab.formats.direct_io import DirectTail, aligned
-from k3lab.formats.files import fsync_dir
+from k3lab.formats.files import fsync_dir, remove_regular
 
 ALIGNMENT = 32  # GGUF default
 
@@ -93,9 +92,7 @@ def _claim(partial: Path) -> None:
     """Create ``partial`` new (``O_EXCL | O_NOFOLLOW``) before gguf-py opens it, so that the file is
     never written through a symlink or over a file k3lab did not make. A regular file of this very
     name is an earlier, killed write of the same file: it goes first."""
-    with contextlib.suppress(FileNotFoundError):
-        if stat.S_ISREG(os.lstat(partial).st_mode):
-            partial.unlink()
+    remove_regular(partial)
     try:
         os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
     except FileExistsError:

@@ -43,10 +43,12 @@ from typing import Any, BinaryIO
 from k3lab.errors import K3LabError, MachineError
 from k3lab.formats.files import (
     InputFileError,
+    is_regular_file,
     json_bytes,
     open_lock_file,
     read_bounded,
     read_json,
+    remove_regular,
     write_atomically,
 )
 from k3lab.formats.gguf_stream import KV, kvs_from_json, kvs_to_json
@@ -341,7 +343,7 @@ class OutputFolder:
             return False
         path = self.output(filename)
         try:
-            if not _is_regular_file(path) or path.stat().st_size != rec.size:
+            if not is_regular_file(path) or path.stat().st_size != rec.size:
                 return False
             return header_sha256(path, rec.data_start) == rec.header_sha256
         except OSError:
@@ -407,9 +409,7 @@ class OutputFolder:
     def remove_output(self, name: str) -> None:
         """Delete a finished output file once it is published (a regular file only: a symlink or
         anything else of that name is left alone)."""
-        path = self.output(name)
-        if _is_regular_file(path):
-            path.unlink()
+        remove_regular(self.output(name))
 
     def remove_partials(self) -> list[Path]:
         """Delete the ``*.partial`` files a killed run left: regular files of k3lab's naming only
@@ -418,10 +418,7 @@ class OutputFolder:
         found = [*self.path.glob("*.gguf.partial")]
         if self.check_state_dir():
             found += self.state.glob("*.json.*.partial")
-        gone = [p for p in found if _is_regular_file(p)]
-        for p in gone:
-            p.unlink(missing_ok=True)
-        return gone
+        return [p for p in found if remove_regular(p)]
 
     # --- files outside the split set ------------------------------------------------------------------
     def check_single_output(self, out: Path) -> None:
@@ -444,13 +441,6 @@ class OutputFolder:
 def header_sha256(path: str | Path, data_start: int) -> str:
     with open(path, "rb") as fh:
         return hashlib.sha256(fh.read(data_start)).hexdigest()
-
-
-def _is_regular_file(path: Path) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
 
 
 def _disk_full(e: BaseException, path: Path) -> BaseException:

@@ -146,8 +146,7 @@ def _each_memory(job: TensorJob) -> int:
 def _mxfp4_pieces(job: TensorJob) -> Iterator[np.ndarray]:
     assert job.read is not None
     n_expert = len(job.sources) // 2
-    expert_shape = job.shape[1:-1] + (job.nbytes // n_expert // int(np.prod(job.shape[1:-1])),)
-    piece_bytes = int(np.prod(expert_shape))
+    piece_bytes = job.nbytes // n_expert  # one expert's repacked matrix
     bufs = [] if job.buffer else [np.empty(piece_bytes, dtype=np.uint8) for _ in range(PIECES_RING)]
     for e in range(n_expert):  # (packed, scale) per expert
         packed, scale = job.sources[2 * e], job.sources[2 * e + 1]
