@@ -10,7 +10,7 @@ from importlib import resources
 from typing import Any
 
 from k3lab import __version__
-from k3lab.pipeline.publish import files_table, render_card
+from k3lab.pipeline.publish import COMMIT_EVERY, Publication, PushTarget, files_table, render_card
 from k3lab.pipeline.record import Record
 from k3lab.util import human_bytes
 
@@ -85,3 +85,21 @@ def extra_files(out_dir: str, source: str, repo: str, license: str = "other") ->
         }
 
     return make
+
+
+def publication(
+    target: PushTarget,
+    out_dir: str,
+    source_repo: str | None,
+    commit_every: float | None = None,
+    force: bool = False,
+) -> Publication:
+    """A run that publishes to ``target``: its card names ``source_repo`` (a local copy: the model's
+    own repo) and that repo's license, read from the Hub."""
+    license = source_license(source_repo, target.endpoint, target.token)
+    return Publication(
+        target,
+        extra_files(out_dir, source_repo or DEFAULT_BASE_MODEL, target.repo, license),
+        COMMIT_EVERY if commit_every is None else commit_every,
+        force,
+    )

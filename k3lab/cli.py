@@ -162,8 +162,8 @@ def _publication(args: argparse.Namespace, out_dir: str, source_repo: str | None
     """--push-to and its flags as a Publication (None without --push-to)."""
     import os
 
-    from k3lab.card import DEFAULT_BASE_MODEL, extra_files, source_license
-    from k3lab.pipeline.publish import COMMIT_EVERY, Publication, PushTarget
+    from k3lab.card import publication
+    from k3lab.pipeline.publish import PushTarget
 
     if not args.push_to:
         for flag in ("push_branch", "private", "keep_local", "commit_every"):
@@ -172,23 +172,16 @@ def _publication(args: argparse.Namespace, out_dir: str, source_repo: str | None
         return None
     if args.push_to.count("/") != 1 or not all(args.push_to.split("/")):
         raise K3LabError(f"--push-to {args.push_to!r}: give a repo as ORG/NAME")
-    endpoint, token = os.environ.get("HF_ENDPOINT"), os.environ.get("HF_TOKEN")
     target = PushTarget(
         args.push_to,
         args.push_branch or "main",
         args.private,
         getattr(args, "keep_local", True),
-        endpoint,
-        token,
+        os.environ.get("HF_ENDPOINT"),
+        os.environ.get("HF_TOKEN"),
         getattr(args, "retry_budget", None) or PushTarget.retry_budget,
     )
-    license = source_license(source_repo, endpoint, token)
-    return Publication(
-        target,
-        extra_files(str(out_dir), source_repo or DEFAULT_BASE_MODEL, args.push_to, license),
-        args.commit_every if args.commit_every is not None else COMMIT_EVERY,
-        getattr(args, "force", False),
-    )
+    return publication(target, str(out_dir), source_repo, args.commit_every, getattr(args, "force", False))
 
 
 def _publish(args: argparse.Namespace) -> int:
@@ -214,7 +207,7 @@ def _retry_budget_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _push_flags(p: argparse.ArgumentParser, required: bool = False) -> None:
+def _push_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--push-branch", help="the branch to publish to (default: main; made if missing)")
     p.add_argument("--private", action="store_true", help="make the repo private when creating it")
     p.add_argument(

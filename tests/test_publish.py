@@ -297,3 +297,24 @@ def test_a_repo_whose_manifest_is_not_k3labs_is_one_line(
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and "MANIFEST.json: not a k3lab manifest" in lines[0], lines
         assert not hub.uploads
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--push-branch", "dev"], "--push-branch is for publishing: it needs --push-to"),
+        (["--keep-local"], "--keep-local is for publishing: it needs --push-to"),
+        (["--push-to", "just-a-name"], "--push-to 'just-a-name': give a repo as ORG/NAME"),
+        (["--push-to", "org/"], "--push-to 'org/': give a repo as ORG/NAME"),
+    ],
+)
+def test_publishing_flags_without_a_repo_are_one_line_and_write_nothing(
+    tiny_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], needle: str
+) -> None:
+    from k3lab.cli import main
+
+    out = tmp_path / "out"
+    code = main(["convert", "--meta", str(tiny_src), "--out-dir", str(out), "--quiet", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and needle in err[0], err
+    assert not out.exists()
