@@ -102,4 +102,5 @@ def publication(
         extra_files(out_dir, source_repo or DEFAULT_BASE_MODEL, target.repo, license),
         COMMIT_EVERY if commit_every is None else commit_every,
         force,
+        ("README.md", "TENSOR_MAP.md"),
     )

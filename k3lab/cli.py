@@ -3,17 +3,75 @@
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from k3lab.errors import K3LabError
+
+MAX_JOBS = 256  # processes on one machine
 
 if TYPE_CHECKING:
     from k3lab.pipeline.runner import RunOptions
     from k3lab.pipeline.sources import SourceSpec
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument as one line (``k3lab: error: argument --jobs: ...``), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"k3lab: error: {message}\n")
+
+
+def _count(low: int, high: int) -> Callable[[str], int]:
+    """An integer argument within [low, high], written in ASCII digits."""
+
+    def parse(text: str) -> int:
+        if not re.fullmatch(r"[0-9]{1,12}", text.strip()):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number {low}..{high}")
+        value = int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is outside {low}..{high}")
+        return value
+
+    return parse
+
+
+MAX_SECONDS = 7 * 86400.0  # a week: no wait k3lab takes is meant to be longer
+
+
+def _seconds(text: str) -> float:
+    """A number of seconds, 0 to a week (0 means zero: no wait, no retry)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 <= value <= MAX_SECONDS) or not re.fullmatch(r"[0-9.e+-]+", text.strip().lower()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 to {MAX_SECONDS:.0f})")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = _seconds(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number above 0")
+    return value
+
+
+def _repo_id(text: str) -> str:
+    """A Hub repo as ORG/NAME (huggingface_hub's rules for the name)."""
+    if text.count("/") == 1 and re.fullmatch(
+        r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}", text
+    ):
+        if ".." not in text and "--" not in text and not text.endswith((".", "-", ".git")):
+            return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a Hub repo: give ORG/NAME (letters, digits, '.', '_', '-')"
+    )
 
 
 def _synth(args: argparse.Namespace) -> int:
@@ -115,7 +173,7 @@ def _plan(args: argparse.Namespace) -> int:
         with start_run(model, spec, args.out_dir, options, say=say) as (plan, _, _):
             show(plan)
         return 0
-    basename = check_basename(options.basename or model.default_basename)
+    basename = check_basename(model.default_basename if options.basename is None else options.basename)
     source = spec.open_fresh()
     source.fetch_meta()
     cfg = model.load_config(Path(args.meta))
@@ -131,8 +189,6 @@ def _convert(args: argparse.Namespace) -> int:
         raise K3LabError(
             "--jobs and --scheduler both say where to run: give one (Dask workers set their own)"
         )
-    if args.jobs < 1:
-        raise K3LabError(f"--jobs {args.jobs}: give 1 or more")
     spec = _source_spec(args, args.out_dir)
     options = _run_options(args, say=not args.quiet)
     publication = _publication(args, args.out_dir, args.repo)
@@ -170,8 +226,6 @@ def _publication(args: argparse.Namespace, out_dir: str, source_repo: str | None
             if getattr(args, flag, None):
                 raise K3LabError(f"--{flag.replace('_', '-')} is for publishing: it needs --push-to")
         return None
-    if args.push_to.count("/") != 1 or not all(args.push_to.split("/")):
-        raise K3LabError(f"--push-to {args.push_to!r}: give a repo as ORG/NAME")
     target = PushTarget(
         args.push_to,
         args.push_branch or "main",
@@ -179,7 +233,7 @@ def _publication(args: argparse.Namespace, out_dir: str, source_repo: str | None
         getattr(args, "keep_local", True),
         os.environ.get("HF_ENDPOINT"),
         os.environ.get("HF_TOKEN"),
-        getattr(args, "retry_budget", None) or PushTarget.retry_budget,
+        PushTarget.retry_budget if getattr(args, "retry_budget", None) is None else args.retry_budget,
     )
     return publication(target, str(out_dir), source_repo, args.commit_every, getattr(args, "force", False))
 
@@ -189,7 +243,9 @@ def _publish(args: argparse.Namespace) -> int:
 
     args.repo = None
     publication = _publication(args, args.out_dir, None)
-    pushed, kept, commit = publish_folder(_model(), args.out_dir, publication)
+    pushed, kept, commit = publish_folder(
+        _model(), args.out_dir, publication, lambda line: print(f"k3lab: {line}", file=sys.stderr)
+    )
     print(
         f"{pushed} uploaded, {kept} already in {publication.target.where()}; "
         + (f"commit {commit}" if commit else "nothing to commit")
@@ -200,7 +256,7 @@ def _publish(args: argparse.Namespace) -> int:
 def _retry_budget_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--retry-budget",
-        type=float,
+        type=_seconds,
         default=None,
         metavar="SECONDS",
         help="how long the Hub may keep failing (in a row, per file) before a file is given up (default 900)",
@@ -212,7 +268,7 @@ def _push_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--private", action="store_true", help="make the repo private when creating it")
     p.add_argument(
         "--commit-every",
-        type=float,
+        type=_seconds,
         default=None,
         metavar="SECONDS",
         help="commit uploaded files at most this often (default 300; a killed run keeps what was committed)",
@@ -234,7 +290,7 @@ def _verify(args: argparse.Namespace) -> int:
             args.scratch = tmp  # the shards come and go one at a time, outside the folder verified
         spec = _source_spec(args) if rederive else None
         report = verify(args.out_dir, args.manifest, spec, _model(), quiet=args.quiet)
-    for line in report.problems:
+    for line in report.lines():
         print(line)
     status = "OK" if report.ok else f"FAILED: {len(report.problems)} problem(s)"
     print(
@@ -318,7 +374,9 @@ def _source_flags(p: argparse.ArgumentParser, meta_required: bool = True) -> Non
     )
     p.add_argument("--src", help="folder with the safetensors shards (default: --meta)")
     p.add_argument(
-        "--repo", help="stream from this Hugging Face repo (e.g. moonshotai/Kimi-K3) instead of --src"
+        "--repo",
+        type=_repo_id,
+        help="stream from this Hugging Face repo (e.g. moonshotai/Kimi-K3) instead of --src",
     )
     p.add_argument("--revision", help="branch, tag or commit of --repo (default: main)")
     p.add_argument(
@@ -346,14 +404,16 @@ def _common_source(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from k3lab.synth import PRESETS
 
-    p = argparse.ArgumentParser(prog="k3lab", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = _Parser(prog="k3lab", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     s = sub.add_parser("synth", help="write a synthetic Kimi-K3 checkpoint")
     s.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     s.add_argument("--out", required=True, help="output folder")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--experts", type=int, default=None, help="override the number of routed experts")
+    s.add_argument("--seed", type=_count(0, 2**32 - 1), default=0)
+    s.add_argument(
+        "--experts", type=_count(1, 4096), default=None, help="override the number of routed experts"
+    )
     s.add_argument(
         "--draw",
         choices=["trained", "normal", "fan-in", "near-ties"],
@@ -378,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common_source(pl)
     pl.add_argument("--out-dir", help="also save the plan there (.k3lab/plan.json), as convert does")
     pl.add_argument("--name", default=None, help="output basename (default: the model's, Kimi-K3)")
-    pl.add_argument("--jobs", type=int, default=1, help="for the disk and memory forecast")
+    pl.add_argument("--jobs", type=_count(1, MAX_JOBS), default=1, help="for the disk and memory forecast")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(func=_plan)
 
@@ -386,7 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common_source(c)
     c.add_argument("--out-dir", required=True)
     c.add_argument("--shards", default=None, help="N, A-B or a comma mix (default: all)")
-    c.add_argument("--jobs", type=int, default=1, help="shards converted in parallel processes")
+    c.add_argument(
+        "--jobs", type=_count(1, MAX_JOBS), default=1, help="shards converted in parallel processes"
+    )
     c.add_argument(
         "--force",
         action="store_true",
@@ -398,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--push-to",
         metavar="ORG/NAME",
+        type=_repo_id,
         help="publish every file to this Hub repo from the machine that made it (workers share nothing but the Hub)",
     )
     c.add_argument(
@@ -408,7 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pu = sub.add_parser("publish", help="push a converted set (and its mmproj, tokenizer) to a Hub repo")
     pu.add_argument("out_dir", help="the output folder of a conversion")
-    pu.add_argument("push_to", metavar="ORG/NAME")
+    pu.add_argument("push_to", metavar="ORG/NAME", type=_repo_id)
     pu.add_argument("--force", action="store_true", help="replace another set the repo holds")
     _retry_budget_flag(pu)
     _push_flags(pu)
@@ -425,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out-dir", required=True)
     b.add_argument("--shards", default=None, help="N, A-B or a comma mix (default: all)")
     b.add_argument("--scheduler", help="address of a running Dask scheduler (default: a LocalCluster)")
-    b.add_argument("--workers", type=int, default=2, help="LocalCluster worker processes")
+    b.add_argument("--workers", type=_count(1, MAX_JOBS), default=2, help="LocalCluster worker processes")
     b.add_argument("--run-id", help="default: a timestamp")
     b.add_argument("--runs-dir", default="papermill_runs")
     b.set_defaults(func=_batch)
@@ -442,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--tokens", help="token ids instead of a prompt, e.g. '1,2,3'")
     cl.add_argument(
         "--threshold",
-        type=float,
+        type=_positive,
         default=1e-4,
         help="whole-model per-position NMSE shown as good (information)",
     )
@@ -476,8 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="the main job, end to end, on the built-in tiny model")
     d.add_argument("--workdir", default="k3-demo", help="where the demo writes (default: ./k3-demo)")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--jobs", type=int, default=2)
+    d.add_argument("--seed", type=_count(0, 2**32 - 1), default=0)
+    d.add_argument("--jobs", type=_count(1, MAX_JOBS), default=2)
     d.set_defaults(func=_demo)
     return p
 
@@ -486,7 +549,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from k3lab.pipeline.task import Stopped, stop_on_sigterm
 
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except SystemExit as e:  # --help, or a bad argument (one line said)
+        return int(e.code or 0)
     if unknown and not getattr(args, "passes_unknown", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.jupyter_args = unknown

@@ -24,7 +24,10 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-LFS_SUFFIXES = (".safetensors", ".model", ".gguf")  # stored in LFS on the real Hub: these have a SHA-256 oid
+LFS_SUFFIXES = (".safetensors", ".model", ".gguf")
+HEADER_READ = (
+    1 << 20
+)  # ranged reads this short are never throttled (a header, a tensor's piece)  # stored in LFS on the real Hub: these have a SHA-256 oid
 
 
 def git_blob_id(data: bytes) -> str:
@@ -38,6 +41,11 @@ class HubServer:
         self.repo, self.faults, self.token = repo, faults, token
         self.lock = threading.Lock()
         self.requests: list[tuple[str, str, str]] = []  # (method, path, range)
+        self.served: list[tuple[str, str, int]] = []  # (path, range, body bytes sent) per file answer
+        self.transfers: list[tuple[str, int, int, int]] = []  # (path, first, last byte, size) per GET
+        # hostile answers, by file path: "html" (a web page with 200), "endless" (200 and a body that
+        # never ends), "trickle" (a byte at a time, 0.2 s apart), "long" (a ranged answer longer than asked)
+        self.hostile: dict[str, str] = {}
         self.cut: set[str] = set()
         self.count = 0
         self.throttle: float | None = None  # bytes per second per download
@@ -247,6 +255,12 @@ class HubServer:
                 h.end_headers()
                 return
         lfs = m["file"].endswith(LFS_SUFFIXES)
+        if not head:
+            with self.lock:
+                self.transfers.append((m["file"], start, end, size))
+        mode = self.hostile.get(m["file"])
+        if mode and not head:
+            return self._hostile(h, mode, m["file"], start, end, size)
         h.send_response(status)
         h.send_header("X-Repo-Commit", commit)
         h.send_header("ETag", f'"{hashlib.sha256(data).hexdigest() if lfs else git_blob_id(data)}"')
@@ -265,28 +279,94 @@ class HubServer:
         body = memoryview(data)[start : end + 1]
         cut = False
         with self.lock:
-            # cut the first whole-file transfer of each large file (a client's fresh download)
-            if self.faults and not rng and size > 100_000 and m["file"] not in self.cut:
+            # cut a transfer of each large file that runs to its end, once, and not the file's first
+            # (in a conversion that is the planner's ranged read of its header: the download follows)
+            asked = sum(1 for _, p, _ in self.requests if p.split("?")[0].endswith("/" + m["file"]))
+            if self.faults and end == size - 1 and size > 100_000 and m["file"] not in self.cut and asked > 1:
                 self.cut.add(m["file"])
                 cut = True
         if cut:  # send part of the body, then drop the connection
-            h.wfile.write(body[: len(body) // 2])
+            half = len(body) // 2
+            h.wfile.write(body[:half])
             h.wfile.flush()
+            self._served(m["file"], rng, half)
             h.close_connection = True
             h.connection.shutdown(2)
             return
         step = 65536
-        for i in range(0, len(body), step):
-            if time.monotonic() < self._down_until:  # an outage cuts transfers in flight too
-                return self._drop(h)
-            try:
-                h.wfile.write(body[i : i + step])
-            except OSError:  # the client went away (a cancelled download)
-                return
-            if (
-                self.throttle and not rng and m["file"].endswith(".safetensors")
-            ):  # whole shards: planning stays quick
-                time.sleep(min(len(body) - i, step) / self.throttle)
+        sent = 0
+        try:
+            for i in range(0, len(body), step):
+                if time.monotonic() < self._down_until:  # an outage cuts transfers in flight too
+                    return self._drop(h)
+                try:
+                    h.wfile.write(body[i : i + step])
+                except OSError:  # the client went away (a cancelled download)
+                    return
+                sent += len(body[i : i + step])
+                if self.throttle and (end == size - 1 or end - start + 1 > HEADER_READ):
+                    time.sleep(min(len(body) - i, step) / self.throttle)  # (headers: planning stays quick)
+        finally:
+            self._served(m["file"], rng, sent)
+
+    def _served(self, path: str, rng: str, n: int) -> None:
+        with self.lock:
+            self.served.append((path, rng, n))
+
+    def downloads(self, suffix: str = ".safetensors", fresh: bool = False) -> list[tuple[str, int]]:
+        """(path, first byte) of each GET that runs to the end of a file ending in ``suffix`` (a
+        download; ``fresh``: from byte 0), never a header's ranged read, which stops short."""
+        with self.lock:
+            return [
+                (p, a)
+                for p, a, b, size in self.transfers
+                if p.endswith(suffix) and b == size - 1 and (a == 0 or not fresh)
+            ]
+
+    def served_bytes(self, path: str | None = None) -> int:
+        """Body bytes sent for file answers (of ``path``, or of every file)."""
+        with self.lock:
+            return sum(n for p, _, n in self.served if path is None or p == path)
+
+    def _hostile(
+        self, h: BaseHTTPRequestHandler, mode: str, path: str, start: int, end: int, size: int
+    ) -> None:
+        """Answers a client must refuse or give up on, in bounded bytes and time."""
+        h.close_connection = True
+        if mode == "html":
+            body = b"<!doctype html><html><body>Sign in to continue</body></html>"
+            h.send_response(200)
+            h.send_header("Content-Type", "text/html; charset=utf-8")
+            h.send_header("Content-Length", str(len(body)))
+            h.end_headers()
+            h.wfile.write(body)
+            return
+        if mode == "long":  # the range asked for, as a 206, but with more bytes than it says
+            n = end - start + 1 + 4096
+            h.send_response(206)
+            h.send_header("Content-Type", "application/octet-stream")
+            h.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+            h.end_headers()
+            h.wfile.write(b"\0" * n)
+            return
+        h.send_response(200)
+        h.send_header("Content-Type", "application/octet-stream")
+        h.end_headers()
+        sent = 0
+        try:
+            while sent < 1 << 30:  # (a bound for the test's own sake: 1 GiB)
+                if mode == "endless":
+                    h.wfile.write(b"\0" * 65536)
+                    sent += 65536
+                else:  # trickle
+                    h.wfile.write(b"\0")
+                    h.wfile.flush()
+                    sent += 1
+                    time.sleep(0.2)
+        except OSError:
+            pass
+        finally:
+            self._served(path, "hostile", sent)
 
     # --- the write side: create a repo, pre-upload, LFS batch and PUT, commit ---
     def _json(self, h: BaseHTTPRequestHandler, data: object, status: int = 200) -> None:

@@ -96,7 +96,7 @@ def test_one_commit_per_set_while_the_repo_moves(
         hub.throttle = 400_000
         first = hub.head
         run = _start(hub, tmp_path, "--scheduler", cluster, "--quiet")
-        while not any(r[1].endswith(".safetensors") and r[2] == "" for r in hub.requests):
+        while not hub.downloads():
             time.sleep(0.05)  # the first shard download: planning is over
         moved = hub.commit({shard: _tampered(hub.file(shard))}, "change a shard mid-run")
         out, err = run.communicate(timeout=600)
@@ -151,9 +151,7 @@ def test_a_minute_of_outage_is_ridden_out(
     with HubServer(tiny_src, faults=True) as hub:
         hub.throttle = 300_000
         run = _start(hub, tmp_path, "--scheduler", cluster, "--quiet")
-        while (
-            sum(1 for r in hub.requests if r[1].endswith(".safetensors") and r[0] == "GET" and not r[2]) < 3
-        ):
+        while len(hub.downloads()) < 3:
             time.sleep(0.05)
         hub.outage(60)
         hub.throttle = None  # (only so that downloads were in flight when it began)
@@ -175,7 +173,7 @@ def test_an_outage_longer_than_the_budget_lists_every_failed_file(tiny_src: Path
     with HubServer(tiny_src) as hub:
         hub.throttle = 2_000_000
         run = _start(hub, tmp_path, "--retry-budget", "4", "--quiet", "--shards", "2-9", "--jobs", "2")
-        while not any(r[1].endswith(".safetensors") and r[0] == "GET" and not r[2] for r in hub.requests):
+        while not hub.downloads():
             time.sleep(0.02)
         hub.outage(3600)
         out, err = run.communicate(timeout=300)
@@ -204,10 +202,7 @@ def test_stopping_the_client_stops_every_task(
     with HubServer(tiny_src) as hub:
         hub.throttle = 150_000
         run = _start(hub, tmp_path, "--scheduler", cluster, "--quiet")
-        while (
-            len({r[1] for r in hub.requests if r[1].endswith(".safetensors") and r[0] == "GET" and not r[2]})
-            < 3
-        ):
+        while len({p for p, _ in hub.downloads()}) < 3:
             time.sleep(0.05)  # both workers busy, one file done or nearly
         run.send_signal(sig)
         out, err = run.communicate(timeout=120)

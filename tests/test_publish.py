@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from dask_helpers import dask_cluster
-from hub_server import HubServer
+from hub_server import HubServer, git_blob_id
 from llama_support import needs_llama
 
 SOURCE = "moonshotai/Kimi-K3"
@@ -98,7 +98,8 @@ def test_workers_that_share_nothing_publish_the_set(
         assert "k3lab convert --repo moonshotai/Kimi-K3" in card and hub.first in card
         assert "`kimi-k3.block_count`" in card
         manifest = json.loads(files["MANIFEST.json"])
-        assert manifest["published"] == {"repo": TARGET, "branch": "main"}
+        made = {n: "git-" + git_blob_id(files[n]) for n in ("README.md", "TENSOR_MAP.md")}
+        assert manifest["published"] == {"repo": TARGET, "branch": "main", "made": made}
         import hashlib
 
         for rec in manifest["files"]:
@@ -304,8 +305,8 @@ def test_a_repo_whose_manifest_is_not_k3labs_is_one_line(
     [
         (["--push-branch", "dev"], "--push-branch is for publishing: it needs --push-to"),
         (["--keep-local"], "--keep-local is for publishing: it needs --push-to"),
-        (["--push-to", "just-a-name"], "--push-to 'just-a-name': give a repo as ORG/NAME"),
-        (["--push-to", "org/"], "--push-to 'org/': give a repo as ORG/NAME"),
+        (["--push-to", "just-a-name"], "argument --push-to: 'just-a-name' is not a Hub repo: give ORG/NAME"),
+        (["--push-to", "org/"], "argument --push-to: 'org/' is not a Hub repo: give ORG/NAME"),
     ],
 )
 def test_publishing_flags_without_a_repo_are_one_line_and_write_nothing(

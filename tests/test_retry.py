@@ -3,12 +3,15 @@ and httpx's own exception types, and the time budget of ``with_retries``."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import httpx2
 import pytest
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+from k3lab.errors import K3LabError
+from k3lab.pipeline.http import TooSlow, progress_that_counts
 from k3lab.pipeline.progress import TaskReport
 from k3lab.pipeline.retry import HubError, HubUnreachable, is_transient, with_retries
 
@@ -24,6 +27,7 @@ def _http(status: int, headers: dict[str, str] | None = None) -> HfHubHTTPError:
         (httpx2.ConnectError("refused"), True),
         (httpx2.ReadTimeout("slow"), True),
         (httpx2.RemoteProtocolError("reset"), True),
+        (TooSlow("a trickle"), True),
         (LocalEntryNotFoundError("cannot find the requested files in the local cache"), True),
         (_http(500), True),
         (_http(503), True),
@@ -68,19 +72,46 @@ def test_the_budget_gives_up_with_exit_1_and_progress_starts_its_clock_again() -
             "f", lambda: (_ for _ in ()).throw(httpx2.ConnectError("refused")), budget=0.6, base_delay=0.05
         )
     assert 0.5 < time.monotonic() - t0 < 3 and e.value.exit_code == 1
-    # a failure after bytes arrived is a new run of failures: 5 failures 0.3 s apart pass a 0.6 s budget
+    # a failure after real progress (a window's worth of bytes at the minimum rate) is a new run of
+    # failures: 5 failures 0.3 s apart pass a 0.6 s budget
     report = TaskReport()
     attempts = []
 
-    def flaky() -> str:
+    def flaky(step: int) -> str:
         attempts.append(1)
         if len(attempts) <= 5:
-            report.down_bytes += 1  # it got further each time
+            report.down_bytes += step  # it got further each time
             time.sleep(0.3)
             raise httpx2.ReadTimeout("cut")
         return "done"
 
-    assert with_retries("f", flaky, budget=0.6, report=report, base_delay=0.01) == "done"
+    assert (
+        with_retries("f", lambda: flaky(progress_that_counts()), budget=0.6, report=report, base_delay=0.01)
+        == "done"
+    )
+    # a trickle (a byte per attempt) is no progress: the budget runs out all the same
+    attempts.clear()
+    with pytest.raises(HubUnreachable, match="retry budget 1 s; last: cut"):
+        with_retries("f", lambda: flaky(1), budget=0.6, report=report, base_delay=0.01)
+    assert len(attempts) <= 4
+
+
+@pytest.mark.parametrize("budget", [math.nan, math.inf, -1.0])
+def test_a_budget_that_never_runs_out_is_refused(budget: float) -> None:
+    with pytest.raises(K3LabError, match="retry budget"):
+        with_retries("f", lambda: "ok", budget=budget)
+
+
+def test_a_zero_budget_means_no_retry() -> None:
+    calls = []
+
+    def fn() -> None:
+        calls.append(1)
+        raise httpx2.ConnectError("refused")
+
+    with pytest.raises(HubUnreachable):
+        with_retries("f", fn, budget=0)
+    assert len(calls) == 1
 
 
 def test_retry_after_is_honoured() -> None:

@@ -16,10 +16,13 @@ import contextlib
 import errno
 import json
 import os
+import re
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
+
+import numpy as np
 
 from k3lab.errors import K3LabError
 
@@ -105,13 +108,35 @@ def read_text(path: str | os.PathLike, limit: int, what: str = "file") -> str:
         raise InputFileError(f"{path}: the {what} is not UTF-8 ({e})") from None
 
 
-def read_json(path: str | os.PathLike, limit: int, what: str = "JSON file") -> Any:
-    """Parsed JSON of a bounded regular file; invalid JSON is one line naming the file."""
-    data = read_bounded(path, limit, what)
+MAX_DEPTH = 32  # JSON k3lab reads nests 6 levels at most (a manifest); nothing real nests 32
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def json_depth(data: bytes) -> int:
+    """How deep brackets nest (strings left out), counted without recursion (json.loads recurses)."""
+    b = np.frombuffer(_JSON_STRING.sub(b"", data), dtype=np.uint8)
+    steps = (b == 0x7B).astype(np.int32) + (b == 0x5B) - (b == 0x7D) - (b == 0x5D)
+    return int(np.cumsum(steps).max()) if steps.size else 0
+
+
+def parse_json(data: bytes, where: str, max_depth: int = MAX_DEPTH, **kwargs: Any) -> Any:
+    """JSON from outside (a file, a Hub answer) with its depth bounded before it is parsed: anything
+    but valid UTF-8 JSON nesting at most ``max_depth`` levels is one ``InputFileError`` naming
+    ``where``."""
+    depth = json_depth(data)
+    if depth > max_depth:
+        raise InputFileError(f"{where}: JSON nested {depth} levels deep; at most {max_depth} is expected")
     try:
-        return json.loads(data.decode("utf-8"))
+        return json.loads(data.decode("utf-8"), **kwargs)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise InputFileError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
+        raise InputFileError(f"{where}: not valid JSON ({type(e).__name__}: {e})") from None
+
+
+def read_json(path: str | os.PathLike, limit: int, what: str = "JSON file") -> Any:
+    """Parsed JSON of a bounded regular file; invalid or absurdly nested JSON is one line naming it."""
+    return parse_json(read_bounded(path, limit, what), str(path))
 
 
 def open_lock_file(path: str | os.PathLike, what: str = "lock file") -> int:

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from k3lab.errors import K3LabError
-from k3lab.formats.files import InputFileError, open_regular, read_json
+from k3lab.formats.files import InputFileError, json_depth, open_regular, read_json
 
 DTYPE_SIZE = {
     "BOOL": 1,
@@ -151,16 +151,6 @@ def _check_overlaps(file: str, entries: dict[str, TensorEntry]) -> None:
         raise SafetensorsError(f"{file}: tensors {a.name} and {b.name} overlap")
 
 
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
-
-
-def _max_depth(raw: bytes) -> int:
-    """How deep brackets nest (strings left out), without recursion: json.loads recurses."""
-    b = np.frombuffer(_JSON_STRING.sub(b"", raw), dtype=np.uint8)
-    steps = (b == 0x7B).astype(np.int32) + (b == 0x5B) - (b == 0x7D) - (b == 0x5D)
-    return int(np.cumsum(steps).max()) if steps.size else 0
-
-
 class _DuplicateKey(Exception):
     """A JSON object of the header names this key twice (raised from the parser's object hook)."""
 
@@ -179,7 +169,7 @@ def parse_header(
     raw: bytes, file: str, file_size: int | None
 ) -> tuple[dict[str, TensorEntry], dict[str, str]]:
     """Parse a header (the bytes after the 8-byte length). Returns (entries by name, __metadata__)."""
-    depth = _max_depth(raw)
+    depth = json_depth(raw)
     if depth > MAX_NESTING:
         raise SafetensorsError(f"{file}: header nests {depth} levels deep; a safetensors header is flat")
     try:

@@ -103,11 +103,21 @@ VISION_OPTIONAL: dict[str, str] = {
     "projector_hidden_act": STR,
 }
 MXFP4_FORMAT = "mxfp4-pack-quantized"
+INT_MAX = 2**31 - 1  # GGUF and llama.cpp hold these counts and sizes in 32 bits
+# tighter bounds, checked before anything is sized by them: a split set numbers its files with 5
+# digits (layers + the output tensors <= 99,999); the real model has 896 experts and 27 vision layers
+UPPER: dict[str, int] = {
+    "num_hidden_layers": 99_998,
+    "num_experts": 1 << 16,
+    "vt_num_hidden_layers": 1 << 12,
+    "vocab_size": 1 << 24,
+}
 
 
 def _is(kind: str, v: Any) -> bool:
-    """JSON types as k3lab needs them (a bool is not a number here, a string never is)."""
-    is_int = isinstance(v, int) and not isinstance(v, bool)
+    """JSON types as k3lab needs them (a bool is not a number here, a string never is; an integer
+    fits in 32 bits)."""
+    is_int = isinstance(v, int) and not isinstance(v, bool) and abs(v) <= INT_MAX
     is_num = is_int or (isinstance(v, float) and math.isfinite(v))
     return {
         POS_INT: is_int and v > 0,
@@ -127,9 +137,13 @@ def _check(d: dict[str, Any], schema: dict[str, str], where: str, path: str, req
             if required:
                 raise ConfigError(f"{path}: {where} lacks required key '{key}'")
             continue
-        if not _is(kind, d[key]):
+        upper = UPPER.get(key, INT_MAX)
+        if not _is(kind, d[key]) or (kind in (POS_INT, NONNEG_INT) and d[key] > upper):
             shown = json.dumps(d[key])[:60]
-            raise ConfigError(f"{path}: {where}{'.' if where else ''}{key} is {shown}; expected {kind}")
+            bound = f" up to {upper:,}" if kind in (POS_INT, NONNEG_INT) else ""
+            raise ConfigError(
+                f"{path}: {where}{'.' if where else ''}{key} is {shown}; expected {kind}{bound}"
+            )
 
 
 def _check_quantization(q: dict[str, Any], where: str, path: str) -> None:
@@ -179,8 +193,11 @@ def _check_consistency(t: dict[str, Any], lac: dict[str, Any], path: str) -> Non
     if len(set(full)) != len(full):
         raise ConfigError(f"{path}: linear_attn_config.full_attn_layers lists a layer twice")
     kda = lac.get("kda_layers")
-    split = kda is None or (
-        not set(kda) & set(full) and sorted(set(kda) | set(full)) == list(range(1, n + 1))
+    split = kda is None or (  # (counted, never expanded: n is bounded, but the lists may be long)
+        len(set(kda)) == len(kda)
+        and not set(kda) & set(full)
+        and len(kda) + len(full) == n
+        and all(1 <= x <= n for x in kda)
     )
     if not split:
         raise ConfigError(
@@ -227,8 +244,9 @@ class K3Config:
             _check_quantization(text["quantization_config"], "text_config.quantization_config", path)
         if raw is not text and raw.get("quantization_config") is not None:
             _check_quantization(raw["quantization_config"], "quantization_config", path)
-        mla = tuple(i for i in range(n) if i + 1 in full)
-        kda = tuple(i for i in range(n) if i + 1 not in full)
+        full_set = set(full)
+        mla = tuple(sorted(x - 1 for x in full_set))
+        kda = tuple(i for i in range(n) if i + 1 not in full_set)
         return cls(
             raw=raw,
             text=text,

@@ -25,6 +25,7 @@ from k3lab.formats.safetensors import NUMPY_DTYPE, TensorEntry
 from k3lab.pipeline.folder import OutputFolder, header_sha256
 from k3lab.pipeline.plan import Plan, PlanError, PlannedTensor
 from k3lab.pipeline.progress import NO_REPORT, TaskReport
+from k3lab.pipeline.proof import identity
 from k3lab.pipeline.record import Record
 from k3lab.pipeline.sources import Source
 
@@ -197,6 +198,7 @@ def convert_file(
             basename=plan.basename,
             outtype=plan.outtype,
             source={"file": pf.source_file, **pf.shard},
+            identity=identity(path) or {},
         )
     )
     return FileResult(number, pf.filename, False, time.perf_counter() - t0, pf.nbytes)

@@ -43,7 +43,6 @@ from typing import Any, BinaryIO
 from k3lab.errors import K3LabError, MachineError
 from k3lab.formats.files import (
     InputFileError,
-    is_regular_file,
     json_bytes,
     open_lock_file,
     read_bounded,
@@ -54,6 +53,7 @@ from k3lab.formats.files import (
 from k3lab.formats.gguf_stream import KV, kvs_from_json, kvs_to_json
 from k3lab.pipeline.model import Model
 from k3lab.pipeline.plan import Plan, PlanError, file_digest, kvs_digest
+from k3lab.pipeline.proof import identity, is_recorded_file
 from k3lab.pipeline.record import FORMAT, ManifestError, Record, records_of_manifest
 
 STATE_DIR = ".k3lab"
@@ -312,7 +312,7 @@ class OutputFolder:
 
     # --- records ----------------------------------------------------------------------------------
     def write_record(self, record: Record) -> Path:
-        return self._write_state(record.state_name, "record", record.to_json())
+        return self._write_state(record.state_name, "record", record.to_json(state=True))
 
     def record_single(self, path: Path, kind: str, key: str, data_start: int, tensors: list[dict]) -> Path:
         """The record (``.k3lab/KEY.json``) of a file outside the split set (the mmproj: kind
@@ -320,6 +320,7 @@ class OutputFolder:
         size = path.stat().st_size
         data_start = min(data_start, size)
         rec = Record(kind, path.name, 0, size, data_start, header_sha256(path, data_start), tensors, key=key)
+        rec.identity = identity(path) or {}
         self.write_record(rec)
         return self.merge()
 
@@ -337,17 +338,20 @@ class OutputFolder:
         return rec if rec is not None and rec.is_text and rec.number == number else None
 
     def is_complete(self, number: int, filename: str, plan_digest: str) -> bool:
-        """The resume test: the record is this plan's, and the file has its size and header."""
+        """The resume test: the record is this plan's, and the file is the one it describes (its
+        identity as recorded, or else every byte: ``proof``). A file proven by its bytes gets its
+        new identity recorded (a copied folder is checked once)."""
         rec = self.text_record(number)
         if rec is None or rec.plan_digest != plan_digest or rec.file != filename:
             return False
         path = self.output(filename)
-        try:
-            if not is_regular_file(path) or path.stat().st_size != rec.size:
-                return False
-            return header_sha256(path, rec.data_start) == rec.header_sha256
-        except OSError:
+        if not is_recorded_file(path, rec):
             return False
+        found = identity(path)
+        if found is not None and found != rec.identity:
+            rec.identity = found
+            self.write_record(rec)
+        return True
 
     def _record_names(self) -> list[str]:
         """The names of record files in ``.k3lab/``, in the manifest's order: text files by number

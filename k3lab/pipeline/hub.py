@@ -41,16 +41,15 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from k3lab.errors import K3LabError
-from k3lab.formats.files import read_chunks, write_atomically
+from k3lab.formats.files import parse_json, read_bounded, read_chunks, write_atomically
 from k3lab.formats.hashing import git_blob_hash
 from k3lab.formats.safetensors import MAX_HEADER
+from k3lab.pipeline import http
 from k3lab.pipeline.progress import NO_REPORT, Cancelled, TaskReport
 from k3lab.pipeline.retry import (
     RETRY_BUDGET,
     HubError,
     HubUnreachable,
-    bar_class,
-    current,
     fold_hf_logging,
     with_retries,
 )
@@ -133,7 +132,8 @@ class HubSource(Source):
         self.requested = spec.option("revision") or "main"
         self.commit: str | None = spec.option("commit")  # a pinned spec's (a task's)
         self.endpoint, self.keep = spec.option("endpoint"), bool(spec.option("keep_source"))
-        self.budget = float(spec.option("retry_budget") or RETRY_BUDGET)
+        budget = spec.option("retry_budget")
+        self.budget = RETRY_BUDGET if budget is None else float(budget)
         self.meta_dir = Path(spec.meta_dir)
         self.scratch = Path(spec.option("scratch") or self.meta_dir / "scratch")
         self.meta_files, self.optional_meta = spec.meta_files, spec.optional_meta
@@ -144,6 +144,7 @@ class HubSource(Source):
         self._closing = threading.Event()
         self._state = threading.Lock()
         fold_hf_logging()
+        http.install()
 
     @property
     def revision(self) -> str:
@@ -263,11 +264,14 @@ class HubSource(Source):
 
     def _fetch(self, file: str, report: TaskReport) -> Slot:
         """Download ``file`` at the pinned commit into its slot and check its bytes; returns the slot,
-        held. A failure or a stop removes the slot: nothing half-downloaded stays behind."""
+        held. A cut download continues from its last byte, in this run or the next (the slot's key
+        is the file's name and SHA-256, so only the same bytes ever resume it); other bytes than the
+        Hub lists, or a stop, remove the slot."""
         remote = self.remote(file)
         self.scratch.mkdir(parents=True, exist_ok=True)
-        sweep_scratch(self.scratch)
-        slot = Slot(self.scratch, hashlib.sha256(f"{file}\0{remote.oid}".encode()).hexdigest()[:32])
+        key = hashlib.sha256(f"{file}\0{remote.oid}".encode()).hexdigest()[:32]
+        sweep_scratch(self.scratch, keep=key)
+        slot = Slot(self.scratch, key)
         slot.take(block=True)
         path = slot.folder / file
         try:
@@ -275,43 +279,49 @@ class HubSource(Source):
                 report.downloaded(remote.size)
                 return slot
             slot.kept_path.unlink(missing_ok=True)
-            self._download(file, slot.folder, report)
-            if not remote.matches(path):
+            partial = path.with_name(path.name + ".incomplete")
+            digest = self._download(remote, partial, report)
+            if digest != remote.oid:
                 raise HubError(
                     f"{self.where(file)}: the downloaded bytes are not the ones the Hub lists "
                     f"(SHA-256 {remote.oid[:16]}..., {remote.size} bytes); the download was discarded"
                 )
+            os.replace(partial, path)  # (the final name only ever holds the checked bytes)
             if self.keep:
                 slot.kept_path.touch()
             return slot
+        except (Cancelled, HubUnreachable, KeyboardInterrupt):
+            slot.release()  # (kept for the next attempt: its bytes are the Hub's, so far)
+            raise
         except BaseException:
             slot.remove()
             raise
 
-    def _download(self, file: str, folder: Path, report: TaskReport) -> None:
-        from huggingface_hub import hf_hub_download
+    def _download(self, remote: RemoteFile, path: Path, report: TaskReport) -> str:
+        """The rest of ``remote``'s bytes into ``path``, retried within the budget (each attempt
+        continues from the last byte that arrived); returns their hash in ``RemoteFile.oid``'s form."""
+        url = http.file_url(self.repo, remote.name, self.commit or self.revision, self.endpoint)
+        where = self.where(remote.name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            raise HubError(f"{path}: is not a file k3lab downloaded; remove it")
 
-        stop = report.check
+        def one() -> Any:
+            if self._closing.is_set():
+                raise Cancelled(f"{remote.name}: the source was closed")
+            report.check()
+            return http.download(
+                url,
+                path,
+                remote.size,
+                self.token,
+                where,
+                _Closing(report, self._closing),
+                lambda: http.file_hash(remote.sha256, remote.size),
+            )
 
-        def one() -> None:
-            current.report = report
-            try:
-                if self._closing.is_set():
-                    raise Cancelled(f"{file}: the source was closed")
-                stop()
-                hf_hub_download(
-                    self.repo,
-                    file,
-                    revision=self.commit,
-                    local_dir=folder,
-                    token=self.token,
-                    endpoint=self.endpoint,
-                    tqdm_class=bar_class(_Closing(report, self._closing)),
-                )
-            finally:
-                current.report = None
-
-        with_retries(self.where(file), one, self.budget, report)
+        h = with_retries(where, one, self.budget, report)
+        return h.hexdigest() if remote.sha256 else f"git-{h.hexdigest()}"
 
     def release(self, file: str) -> None:
         """Done with ``file``: close it and delete its download (``--keep-source``: keep it)."""
@@ -341,35 +351,27 @@ class HubSource(Source):
         self._closing.clear()
 
     def _fetch_raw_header(self, file: str) -> tuple[bytes, int]:
-        from huggingface_hub import hf_hub_url
-        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+        """The shard's header by ranged reads at the commit (exactly the bytes asked for)."""
+        remote = self.remote(file)
+        url = http.file_url(self.repo, file, self.commit or self.revision, self.endpoint)
+        where = f"{self.where(file)} (header)"
 
-        self.resolve()
-        url = hf_hub_url(self.repo, file, revision=self.commit, endpoint=self.endpoint)
-        headers = build_hf_headers(token=self.token)
+        def ranged(start: int, stop: int) -> bytes:
+            return with_retries(
+                where, lambda: http.fetch_range(url, start, stop, remote.size, self.token, where), self.budget
+            )
 
-        def ranged(start: int, end: int) -> tuple[bytes, int]:
-            def get() -> tuple[bytes, int]:
-                r = get_session().get(
-                    url,
-                    headers={**headers, "Range": f"bytes={start}-{end}"},
-                    follow_redirects=True,
-                    timeout=60,
-                )
-                hf_raise_for_status(r)
-                total = int(r.headers.get("Content-Range", "/0").rsplit("/", 1)[-1] or 0)
-                return r.content, total
-
-            return with_retries(f"{self.where(file)} (header)", get, self.budget)
-
-        head, size = ranged(0, HEADER_PROBE - 1)
-        if len(head) < 8:
-            raise SourceError(f"{self.where(file)}: {len(head)} bytes is too short for a safetensors file")
+        size = remote.size
+        if size < 8:
+            raise SourceError(f"{self.where(file)}: {size} bytes is too short for a safetensors file")
+        head = ranged(
+            0, min(HEADER_PROBE, max(8, size // 2))
+        )  # (never the whole file: a download reads that)
         (n,) = struct.unpack("<Q", head[:8])
-        if n > MAX_HEADER or (size and 8 + n > size):
+        if n > MAX_HEADER or 8 + n > size:
             raise SourceError(f"{self.where(file)}: header length {n} does not fit the file ({size} bytes)")
         if 8 + n > len(head):
-            head += ranged(len(head), 8 + n - 1)[0]
+            head += ranged(len(head), 8 + n)
         return head[8 : 8 + n], size
 
 
@@ -391,8 +393,8 @@ class _Closing(TaskReport):
 
 def _read_fetched(path: Path) -> dict[str, str]:
     try:
-        data = json.loads(b"".join(read_chunks(path, 1 << 20, "k3lab's list of fetched files")))
-    except (OSError, K3LabError, ValueError):
+        data = parse_json(read_bounded(path, 1 << 20, "k3lab's list of fetched files"), str(path))
+    except (OSError, K3LabError):
         return {}
     return (
         {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}

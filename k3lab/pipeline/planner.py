@@ -123,6 +123,7 @@ def build_plan(
     unknown = [n for n in weight_map if not n.startswith((model.text_prefix, *model.other_prefixes))]
     if unknown:
         raise PlanError(f"{weight_map[unknown[0]]}: tensor {unknown[0]} is not a tensor any rule table knows")
+    _check_counts(cfg, weight_map, text_names)
     by_unit: dict[int | None, list[str]] = {}
     for name in text_names:
         by_unit.setdefault(model.unit_of(name), []).append(name)
@@ -181,6 +182,21 @@ def build_plan(
     for f in files:
         f.digest = file_digest(plan, f)
     return plan
+
+
+def _check_counts(cfg: Any, weight_map: dict[str, str], text_names: list[str]) -> None:
+    """The config's counts against the index, before anything loops over them: a layer per shard
+    file plus one for the output tensors, and no more experts than the index has tensors."""
+    files = len(set(weight_map.values()))
+    if cfg.n_layer + 1 > files:
+        raise PlanError(
+            f"{cfg.path}: {cfg.n_layer} layers need {cfg.n_layer + 1} shard files (one per layer, then the "
+            f"output tensors); the index lists {files}"
+        )
+    if cfg.n_expert > len(text_names):
+        raise PlanError(
+            f"{cfg.path}: {cfg.n_expert} experts, but the index lists only {len(text_names)} text tensors"
+        )
 
 
 def plan_kvs(plan: Plan, meta_dir: Any, chat_template: str | None = None) -> list[KV]:

@@ -31,7 +31,9 @@ from string import Template
 from typing import Any
 
 from k3lab.errors import K3LabError
+from k3lab.formats.files import InputFileError, parse_json
 from k3lab.formats.hashing import git_blob_hash
+from k3lab.pipeline import http
 from k3lab.pipeline.progress import NO_REPORT, TaskReport
 from k3lab.pipeline.record import FORMAT, ManifestError, Record, records_of_manifest
 from k3lab.pipeline.retry import RETRY_BUDGET, with_retries
@@ -71,6 +73,7 @@ class PushTarget:
     def api(self) -> Any:
         from huggingface_hub import HfApi
 
+        http.install()
         return HfApi(endpoint=self.endpoint, token=self.token)
 
     def where(self, path: str = "") -> str:
@@ -84,6 +87,11 @@ class RepoState:
     commit: str
     files: dict[str, str]  # path -> SHA-256 (LFS) or "git-<blob id>"
     records: dict[str, Record]  # file name -> its record in the repo's MANIFEST.json
+    made: dict[str, str] = field(default_factory=dict)  # files besides the set k3lab made -> their oid
+
+    def theirs(self, name: str) -> bool:
+        """Whether the repo's ``name`` is a file k3lab did not make (a user's own README.md)."""
+        return name in self.files and self.files[name] != self.made.get(name)
 
 
 def open_target(target: PushTarget, planned: dict[str, str], force: bool = False) -> RepoState:
@@ -114,6 +122,9 @@ def open_target(target: PushTarget, planned: dict[str, str], force: bool = False
 
 
 def read_repo(target: PushTarget) -> RepoState:
+    """The branch's commit, every file's SHA-256 and the records of its ``MANIFEST.json`` (read by a
+    ranged GET of exactly the size the Hub lists, parsed with bounded depth: a stranger's repo may
+    hold anything)."""
     api = target.api()
     info = with_retries(
         target.where(),
@@ -123,32 +134,35 @@ def read_repo(target: PushTarget) -> RepoState:
     files = {
         s.rfilename: (s.lfs.sha256 if s.lfs is not None else f"git-{s.blob_id}") for s in info.siblings or []
     }
+    sizes = {s.rfilename: int(s.size or 0) for s in info.siblings or []}
     records: dict[str, Record] = {}
+    made: dict[str, str] = {}
     if MANIFEST_NAME in files:
-        from huggingface_hub import hf_hub_url
-        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
-
-        url = hf_hub_url(target.repo, MANIFEST_NAME, revision=info.sha, endpoint=target.endpoint)
-
-        def get() -> bytes:  # streamed, bounded: the manifest of a stranger's repo may be anything
-            chunks, size = [], 0
-            headers = build_hf_headers(token=target.token)
-            with get_session().stream("GET", url, headers=headers, follow_redirects=True, timeout=60) as r:
-                hf_raise_for_status(r)
-                for chunk in r.iter_bytes():
-                    size += len(chunk)
-                    if size > MANIFEST_LIMIT:
-                        raise PublishError(f"{target.where(MANIFEST_NAME)}: larger than any k3lab manifest")
-                    chunks.append(chunk)
-            return b"".join(chunks)
-
-        raw = with_retries(target.where(MANIFEST_NAME), get, target.retry_budget)
+        where = target.where(MANIFEST_NAME)
+        size = sizes[MANIFEST_NAME]
+        if size > MANIFEST_LIMIT:
+            raise PublishError(f"{where}: {size} bytes, larger than any k3lab manifest")
+        url = http.file_url(target.repo, MANIFEST_NAME, info.sha, target.endpoint)
+        raw = with_retries(
+            where, lambda: http.fetch_range(url, 0, size, size, target.token, where), target.retry_budget
+        )
         try:
-            recs = records_of_manifest(json.loads(raw), target.where(MANIFEST_NAME))
-        except (ValueError, ManifestError) as e:
-            raise PublishError(f"{target.where(MANIFEST_NAME)}: not a k3lab manifest ({e})") from None
+            man = parse_json(raw, where)
+            recs = records_of_manifest(man, where)
+        except (InputFileError, ManifestError) as e:
+            raise PublishError(f"{where}: not a k3lab manifest ({e})") from None
         records = {r.file: r for r in recs}
-    return RepoState(info.sha, files, records)
+        made = _made(man.get("published"))
+    return RepoState(info.sha, files, records, made)
+
+
+def _made(published: Any) -> dict[str, str]:
+    """The files besides the set that k3lab made in the repo (the card, the tensor map), by the oid
+    it gave them: one still there with that oid is k3lab's to replace; any other is the user's."""
+    made = published.get("made") if isinstance(published, dict) else None
+    if not isinstance(made, dict):
+        return {}
+    return {k: v for k, v in made.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def published(
@@ -189,9 +203,15 @@ class Committer:
     """Commits uploaded files as they arrive: a batch at a time, with the repo's manifest."""
 
     def __init__(
-        self, target: PushTarget, state: RepoState, every: float = COMMIT_EVERY, stale: tuple[str, ...] = ()
+        self,
+        target: PushTarget,
+        state: RepoState,
+        every: float = COMMIT_EVERY,
+        stale: tuple[str, ...] = (),
+        force: bool = False,
     ):
-        self.target, self.state, self.every = target, state, every
+        self.target, self.state, self.every, self.force = target, state, every, force
+        self.made: dict[str, str] = dict(state.made)
         self.records: dict[str, Record] = dict(state.records)
         self.pending: list[Any] = []
         self.stale = list(stale)  # files of another set to delete (--force)
@@ -212,16 +232,20 @@ class Committer:
         body = {
             "files": [r.to_json() for r in recs],
             "format": FORMAT,
-            "published": {"repo": self.target.repo, "branch": self.target.branch},
+            "published": {"repo": self.target.repo, "branch": self.target.branch, "made": self.made},
         }
         return json.dumps(body, indent=1, sort_keys=True).encode() + b"\n"
 
     def commit(self, extra: dict[str, bytes] | None = None, message: str = "") -> str | None:
-        """One commit of what is pending (with the manifest, and ``extra`` files); None if nothing."""
+        """One commit of what is pending (with the manifest, and ``extra`` files); None if nothing.
+        An extra file the repo holds that k3lab did not make (a user's README.md) is kept, unless
+        ``force``."""
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
         self.last = time.monotonic()
-        regular = {MANIFEST_NAME: self.manifest(), **(extra or {})}
+        extra = {k: v for k, v in (extra or {}).items() if self.force or not self.state.theirs(k)}
+        self.made.update({name: f"git-{git_blob_id(data)}" for name, data in extra.items()})
+        regular = {MANIFEST_NAME: self.manifest(), **extra}
         if (
             not self.pending
             and not self.stale
@@ -293,18 +317,30 @@ class Publication:
     extra_files: ExtraFiles | None = None
     commit_every: float = COMMIT_EVERY
     force: bool = False
+    extra_names: tuple[str, ...] = ()  # what ``extra_files`` makes (README.md, TENSOR_MAP.md)
 
 
-def open_committer(plan: Any, publication: Publication) -> Committer:
+def open_committer(
+    plan: Any, publication: Publication, say: Callable[[str], None] | None = None
+) -> Committer:
     """The target repo opened for ``plan``'s set (made if missing; another set there refused unless
-    ``force``, and then its split files deleted in the same commits as this set's)."""
+    ``force``, and then its split files deleted in the same commits as this set's). ``say`` hears
+    of files the repo holds that k3lab did not make and keeps (a user's README.md)."""
     planned = {pf.filename: pf.digest for pf in plan.files}
     state = open_target(publication.target, planned, publication.force)
     stale = tuple(r.file for r in state.records.values() if r.is_text and r.file not in planned)
-    return Committer(publication.target, state, publication.commit_every, stale)
+    theirs = [n for n in publication.extra_names if state.theirs(n)]
+    if theirs and not publication.force and say is not None:
+        say(
+            f"{publication.target.where()}: {', '.join(theirs)} {'is' if len(theirs) == 1 else 'are'} the "
+            "repo's own (k3lab did not make it): kept, and k3lab's is not published; --force replaces it"
+        )
+    return Committer(publication.target, state, publication.commit_every, stale, publication.force)
 
 
-def publish_folder(model: Any, out_dir: str | Path, publication: Publication) -> tuple[int, int, str | None]:
+def publish_folder(
+    model: Any, out_dir: str | Path, publication: Publication, say: Callable[[str], None] | None = None
+) -> tuple[int, int, str | None]:
     """Push an existing local set (and its mmproj and standalone tokenizer, when there) the way a
     run publishes: files the repo holds already (same SHA-256) are not sent again, the rest are
     uploaded and committed in batches. Returns (uploaded, already there, the last commit)."""
@@ -324,7 +360,7 @@ def publish_folder(model: Any, out_dir: str | Path, publication: Publication) ->
                     f"{folder.output(pf.filename)}: missing or not complete; convert the set first "
                     "(`k3lab convert` with the same --out-dir)"
                 )
-        committer = open_committer(plan, publication)
+        committer = open_committer(plan, publication, say)
         state = committer.state
         kept = 0
         for rec in sorted(records, key=lambda r: (not r.is_text, r.number, r.file)):

@@ -36,6 +36,7 @@ class ManifestError(K3LabError):
 
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+_IDENTITY = {"size", "mtime_ns", "ino", "dev"}
 _KEY = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 
 
@@ -96,6 +97,8 @@ class Record:
     key: str = ""
     # once published: the whole file's SHA-256 (its LFS oid on the Hub)
     sha256: str = ""
+    # the file as written (size, mtime_ns, ino, dev: ``proof.identity``); kept in .k3lab/ only
+    identity: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_text(self) -> bool:
@@ -106,7 +109,9 @@ class Record:
         """The record's file name in ``OUT/.k3lab/``."""
         return f"{self.number:05d}.json" if self.is_text else f"{self.key}.json"
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, state: bool = False) -> dict[str, Any]:
+        """The record as JSON; ``state``: as kept in ``.k3lab/`` (with the file's identity on this
+        machine, which a manifest leaves out)."""
         out: dict[str, Any] = {
             "format": FORMAT,
             "kind": self.kind,
@@ -130,6 +135,8 @@ class Record:
             out["key"] = self.key
         if self.sha256:
             out["sha256"] = self.sha256
+        if state and self.identity:
+            out["identity"] = self.identity
         return out
 
     @classmethod
@@ -147,7 +154,14 @@ class Record:
         sha = rec.get("sha256", "")
         if sha and not (isinstance(sha, str) and _HEX64.fullmatch(sha)):
             raise ManifestError(f"{where}: field 'sha256' is malformed ({repr(sha)[:40]})")
-        return cls(**{k: rec[k] for k in fields}, sha256=sha)
+        ident = rec.get("identity") or {}
+        if not (
+            isinstance(ident, dict)
+            and (not ident or set(ident) == _IDENTITY)
+            and all(_int(v) and v >= 0 for v in ident.values())
+        ):
+            raise ManifestError(f"{where}: field 'identity' is malformed")
+        return cls(**{k: rec[k] for k in fields}, sha256=sha, identity=ident)
 
 
 def _check_tensors(rec: dict[str, Any], where: str) -> None:

@@ -7,6 +7,7 @@ folded into the task's report here too, so the run shows one bar."""
 from __future__ import annotations
 
 import logging
+import math
 import random
 import re
 import threading
@@ -54,6 +55,12 @@ def is_transient(e: BaseException) -> bool:
     return isinstance(e, OSError) and "Consistency check failed" in str(e)  # a transfer cut short
 
 
+def _is_http(e: BaseException) -> bool:
+    from huggingface_hub.errors import HfHubHTTPError
+
+    return isinstance(e, HfHubHTTPError)
+
+
 def _reason(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     status = _status(e)
@@ -77,8 +84,14 @@ def with_retries(
     report: TaskReport = NO_REPORT,
     base_delay: float = 0.5,
 ) -> Any:
-    """fn() until it succeeds, riding out transient failures for up to ``budget`` seconds in a row
-    (the clock starts again whenever the report shows bytes received); refusals are one line."""
+    """fn() until it succeeds, riding out transient failures for up to ``budget`` seconds in a row;
+    refusals are one line. The clock starts again when an attempt brought real progress (a window's
+    worth of bytes at the minimum rate: ``http.progress_that_counts``), never for a trickle."""
+    from k3lab.pipeline.http import progress_that_counts
+
+    if not (budget >= 0 and math.isfinite(budget)):
+        raise K3LabError(f"retry budget {budget!r}: give a number of seconds, 0 or more")
+    counts = progress_that_counts()
     first_failure: float | None = None
     attempt, seen = 0, report.down_bytes
     while True:
@@ -88,10 +101,13 @@ def with_retries(
             raise
         except Exception as e:
             if not is_transient(e):
+                if isinstance(e, OSError) and _status(e) is None and not _is_http(e):
+                    raise MachineError(f"{what}: {_reason(e)}") from None  # the machine's: a disk, a folder
                 raise HubError(f"{what}: {_reason(e)}") from None
             now = time.monotonic()
-            if report.down_bytes != seen:  # it got further this time: a new run of failures
-                first_failure, attempt, seen = None, 0, report.down_bytes
+            if report.down_bytes - seen >= counts:  # it got further this time: a new run of failures
+                first_failure, attempt = None, 0
+            seen = report.down_bytes
             first_failure = first_failure if first_failure is not None else now
             if now - first_failure >= budget:
                 raise HubUnreachable(
@@ -135,27 +151,3 @@ def fold_hf_logging() -> None:
         logger = logging.getLogger(name)
         if _FOLDED not in logger.filters:
             logger.addFilter(_FOLDED)
-
-
-def bar_class(report: TaskReport) -> type:
-    """A stand-in for huggingface_hub's tqdm bar: draws nothing, hands each chunk's bytes to
-    ``report`` (which also raises ``Cancelled`` there once the run stopped: the download stops)."""
-
-    class Bar:
-        def __init__(self, *args: Any, total: int | None = None, initial: int = 0, **kwargs: Any):
-            self.total, self.n = total, initial
-
-        def update(self, n: int = 1) -> None:
-            self.n += n
-            report.downloaded(n)
-
-        def close(self) -> None:
-            return None
-
-        def __enter__(self) -> Bar:
-            return self
-
-        def __exit__(self, *exc: Any) -> None:
-            return None
-
-    return Bar

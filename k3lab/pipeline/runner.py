@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,26 +34,30 @@ class ShardSpecError(K3LabError):
     """A --shards value that is not N, A-B or a comma mix of them within the set."""
 
 
+_SHARD_PART = re.compile(r"([0-9]{1,9})(?:-([0-9]{1,9}))?")
+
+
 def parse_shards(chosen: str | None, n: int) -> list[int]:
-    """``N``, ``A-B`` or a comma mix (1-based, inclusive); None or 'all' means every output file."""
+    """``N``, ``A-B`` or a comma mix (1-based, inclusive, ASCII digits); None or 'all' means every
+    output file. Every number is checked against ``n`` before any range is expanded, so the list
+    is never longer than the set."""
     if chosen is None or chosen.strip().lower() == "all":
         return list(range(1, n + 1))
+    if len(chosen) > 10_000:
+        raise ShardSpecError(f"--shards: {len(chosen)} characters; give N, A-B or a comma mix")
     out: set[int] = set()
     for part in chosen.split(","):
-        part = part.strip()
-        try:
-            if "-" in part:
-                a, b = (int(x) for x in part.split("-", 1))
-                if a > b:
-                    raise ValueError
-                out.update(range(a, b + 1))
-            else:
-                out.add(int(part))
-        except ValueError:
-            raise ShardSpecError(f"--shards {chosen!r}: {part!r} is not N or A-B") from None
-    bad = sorted(k for k in out if not 1 <= k <= n)
-    if bad:
-        raise ShardSpecError(f"--shards {chosen!r}: shard {bad[0]} is outside 1..{n}")
+        m = _SHARD_PART.fullmatch(part.strip())
+        if m is None:
+            raise ShardSpecError(f"--shards {chosen!r}: {part.strip()!r} is not N or A-B (digits 0-9)")
+        a = int(m[1])
+        b = int(m[2]) if m[2] else a
+        if a > b:
+            raise ShardSpecError(f"--shards {chosen!r}: {part.strip()!r} runs backwards")
+        for k in (a, b):
+            if not 1 <= k <= n:
+                raise ShardSpecError(f"--shards {chosen!r}: shard {k} is outside 1..{n}")
+        out.update(range(a, b + 1))
     return sorted(out)
 
 
@@ -74,7 +79,7 @@ def prepare(
     """The plan for this output folder, every input checked: the saved one when it can be trusted
     and its inputs are unchanged, else a new one with the KVs to save (``say`` hears which files a
     moved source changes). Writes nothing."""
-    basename = check_basename(options.basename or model.default_basename)
+    basename = check_basename(model.default_basename if options.basename is None else options.basename)
     folder = OutputFolder(out_dir)
     folder.check_state_dir()
     source = spec.open_fresh()
@@ -130,7 +135,11 @@ def start_run(
     block: lock, save a new plan, remove what a killed run left. With ``run_token``, join the run
     holding the lock."""
     plan, kvs = prepare(model, spec, out_dir, options, say)
-    numbers = shards if isinstance(shards, list) else parse_shards(shards, len(plan.files))
+    numbers = (
+        parse_shards(",".join(str(k) for k in shards) or "-", len(plan.files))
+        if isinstance(shards, list)
+        else parse_shards(shards, len(plan.files))
+    )
     folder = OutputFolder(out_dir)
     with folder.hold(run_token) as token:
         if kvs is not None:
@@ -182,7 +191,7 @@ def convert_shards(
         task = Task(
             plan.model, str(out_dir), spec, plan.inputs_digest, options.force, token, "", push, private
         )
-        return _convert_planned(plan, task, numbers, jobs, quiet, scheduler, publication)
+        return _convert_planned(plan, task, numbers, jobs, quiet, scheduler, publication, say)
 
 
 def _say(line: str) -> None:
@@ -211,9 +220,10 @@ def _convert_planned(
     quiet: bool | None,
     scheduler: str | None,
     publication: Publication | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> list[FileResult]:
     folder = OutputFolder(task.out_dir)
-    committer = open_committer(plan, publication) if publication else None
+    committer = open_committer(plan, publication, say or _say) if publication else None
     results = Results(functools.partial(_record_published, folder, committer) if committer else None)
     todo = []
     for k in numbers:  # complete files are found here, not sent anywhere

@@ -76,16 +76,17 @@ def _remove_tree(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def sweep_scratch(scratch: Path) -> list[str]:
-    """Remove the download slots of tasks that died (their lock is free), except kept ones; only
-    k3lab's own names. Returns the keys removed."""
+def sweep_scratch(scratch: Path, keep: str = "") -> list[str]:
+    """Remove the download slots of tasks that died (their lock is free), except kept ones and
+    ``keep`` (the slot about to be taken: its bytes so far resume the download); only k3lab's own
+    names. Returns the keys removed."""
     try:
         names = os.listdir(scratch)
     except (FileNotFoundError, NotADirectoryError):
         return []
     keys = {m[1] for n in names if (m := _SLOT_NAME.fullmatch(n))}
     removed = []
-    for key in sorted(keys):
+    for key in sorted(keys - {keep}):
         slot = Slot(scratch, key)
         if not slot.take(block=False):
             continue  # in use by a live process

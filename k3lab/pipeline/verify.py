@@ -23,10 +23,11 @@ from tqdm import tqdm
 from k3lab.pipeline.folder import OutputFolder
 from k3lab.pipeline.model import Model
 from k3lab.pipeline.progress import TaskReport
+from k3lab.pipeline.proof import Problem, check_bytes
 from k3lab.pipeline.record import ManifestError, Record
 from k3lab.pipeline.sources import SourceSpec
 
-READ = 16 * 1024 * 1024
+SUMMARY_LINES = 5  # a damaged set is told in at most this many lines
 SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = (
     gguf.Keys.Split.LLM_KV_SPLIT_NO,
     gguf.Keys.Split.LLM_KV_SPLIT_COUNT,
@@ -36,14 +37,65 @@ SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = (
 
 @dataclass
 class Report:
-    problems: list[str] = field(default_factory=list)
+    """What ``verify`` found: every problem (``proof.Problem``), and what it checked."""
+
+    found: list[Problem] = field(default_factory=list)
     files: int = 0
     tensors: int = 0
     bytes: int = 0
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.found
+
+    @property
+    def problems(self) -> list[str]:
+        return [p.text for p in self.found]
+
+    def add(self, kind: str, file: str, text: str) -> None:
+        self.found.append(Problem(kind, file, text))
+
+    def lines(self, limit: int = SUMMARY_LINES) -> list[str]:
+        """The problems in at most ``limit`` lines: each one, while they fit; else one line per kind
+        (which files are truncated, foreign, junk, swapped ...), and the count of what is left."""
+        if len(self.found) <= limit:
+            return self.problems
+        kinds: dict[str, list[Problem]] = {}
+        for p in self.found:
+            kinds.setdefault(p.kind, []).append(p)
+        groups: list[tuple[int, str]] = []
+        for kind, found in kinds.items():
+            files = list(dict.fromkeys(p.file for p in found if p.file))
+            shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+            line = f"{len(found)} problems: {KIND_NAMES.get(kind, kind)}" + (
+                f" ({len(files)} files: {shown})" if files else ""
+            )
+            groups.append((len(found), found[0].text if len(found) == 1 else line))
+        if len(groups) > limit:
+            rest = sum(n for n, _ in groups[limit - 1 :])
+            groups = groups[: limit - 1] + [(rest, f"... and {rest} more problems of other kinds")]
+        return [line for _, line in groups]
+
+
+KIND_NAMES = {
+    "missing": "missing files",
+    "truncated": "truncated files",
+    "longer": "files longer than recorded",
+    "foreign": "files not from this conversion (every tensor differs)",
+    "junk": "files that are not GGUF",
+    "swapped": "files holding another file of the set",
+    "header": "headers differ from the manifest",
+    "padding": "non-zero padding",
+    "tensor": "tensors differ from the manifest",
+    "stray": ".gguf files in the folder that are not part of the set",
+    "not-a-file": "names that are not regular files",
+    "split": "split keys that disagree",
+    "set": "the manifest disagrees with itself",
+    "unlisted": "split files the manifest does not list (not converted yet?)",
+    "plan": "records the folder's plan contradicts",
+    "stale": "files made from other inputs (convert again)",
+    "rederive": "tensors the source re-derives differently",
+}
 
 
 def load_manifest(out_dir: Path, manifest: str | Path | None) -> list[Record]:
@@ -71,48 +123,7 @@ def _split_fields(path: Path) -> dict[str, int]:
     return out
 
 
-def _check_file(path: Path, rec: Record, report: Report, advance: Callable[[int], None]) -> None:
-    name = rec.file
-    size = path.stat().st_size
-    if size != rec.size:
-        kind = "truncated" if size < rec.size else "longer than recorded"
-        report.problems.append(f"{name}: {kind}: {size} bytes, the manifest says {rec.size}")
-        return
-    tensors = sorted(rec.tensors, key=lambda t: t["offset"])
-    bad: list[str] = []
-    with open(path, "rb") as fh:
-        header = fh.read(rec.data_start)
-        if hashlib.sha256(header).hexdigest() != rec.header_sha256:
-            report.problems.append(f"{name}: header (metadata and tensor infos) differs from the manifest")
-        pos = rec.data_start
-        for t in tensors + [None]:
-            end = t["offset"] if t else size
-            gap = fh.read(end - pos)
-            if gap.strip(b"\0"):
-                where = f"before tensor {t['name']}" if t else "after the last tensor"
-                report.problems.append(f"{name}: non-zero padding {where}")
-            if t is None:
-                break
-            h, left = hashlib.sha256(), t["nbytes"]
-            while left:
-                chunk = fh.read(min(READ, left))
-                if not chunk:
-                    break
-                h.update(chunk)
-                left -= len(chunk)
-                advance(len(chunk))
-            if h.hexdigest() != t["sha256"]:
-                bad.append(t["name"])
-            pos = t["offset"] + t["nbytes"]
-            report.tensors += 1
-    if bad and len(bad) == len(tensors) > 1:
-        report.problems.append(
-            f"{name}: not from this conversion: all {len(bad)} tensors differ from the manifest"
-        )
-    else:
-        report.problems += [f"{name}: tensor {b}: SHA-256 differs from the manifest" for b in bad]
-
-
+WHOLE_FILE = ("truncated", "longer", "foreign", "junk")  # kinds that say the file as a whole is wrong
 MAX_LISTED = 20  # problems of one kind listed one by one; the rest are counted
 
 
@@ -135,13 +146,15 @@ def verify(
     if only is not None:
         missing = sorted(only - {r.file for r in every})
         if missing:
-            return Report(problems=[f"{missing[0]}: no manifest record (not converted yet?)"])
+            report = Report()
+            report.add("missing", missing[0], f"{missing[0]}: no manifest record (not converted yet?)")
+            return report
     chosen = [r for r in every if only is None or r.file in only]
     records = [r for r in chosen if r.is_text]
     others = [r for r in chosen if not r.is_text]
     report = Report()
     if not records and not others:
-        report.problems.append(f"{out_dir}: the manifest lists no files")
+        report.add("set", "", f"{out_dir}: the manifest lists no files")
         return report
     texts = [r for r in every if r.is_text]
     count = texts[0].split_count if texts else 0
@@ -150,36 +163,51 @@ def verify(
     total = sum(r.size for r in records + others)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=True if quiet else None)
     names: dict[str, str] = {}
+    by_number = {r.number: r.file for r in texts}
     if only is None:  # a .gguf in the folder that the manifest does not know is not part of this set
         listed = {r.file for r in every}
         for stray in sorted(p.name for p in out_dir.glob("*.gguf") if p.name not in listed):
-            report.problems.append(f"{stray}: in the folder but not part of this set (not in the manifest)")
+            report.add(
+                "stray", stray, f"{stray}: in the folder but not part of this set (not in the manifest)"
+            )
     for rec in records + others:
         path = out_dir / rec.file
         if path.is_symlink() or (path.exists() and not path.is_file()):
             kind = "a directory" if path.is_dir() else "not a regular file"
-            report.problems.append(f"{rec.file}: is {kind}, not a GGUF file")
+            report.add("not-a-file", rec.file, f"{rec.file}: is {kind}, not a GGUF file")
             continue
         if not path.exists():
-            report.problems.append(f"{rec.file}: missing")
+            report.add("missing", rec.file, f"{rec.file}: missing")
             continue
         report.files += 1
         report.bytes += rec.size
         for t in rec.tensors:
             if t["name"] in names and rec.is_text:
-                report.problems.append(f"{rec.file}: tensor {t['name']}: also in {names[t['name']]}")
+                report.add("set", rec.file, f"{rec.file}: tensor {t['name']}: also in {names[t['name']]}")
             names[t["name"]] = rec.file
-        _check_file(path, rec, report, bar.update)
-        if rec.is_text and path.stat().st_size == rec.size:
-            try:
-                fields = _split_fields(path)
-            except Exception as e:  # a header gguf-py cannot even parse
-                report.problems.append(f"{rec.file}: header unreadable ({e})")
-                continue
-            want = {SPLIT_NO: rec.number - 1, SPLIT_COUNT: count, SPLIT_TENSORS: n_tensors}
-            for key, value in want.items():
-                if fields.get(key) != value:
-                    report.problems.append(f"{rec.file}: {key} is {fields.get(key)}, expected {value}")
+        found = check_bytes(path, rec, bar.update)
+        report.tensors += len(rec.tensors) if not found or found[0].kind not in WHOLE_FILE else 0
+        if not rec.is_text or (found and found[0].kind == "junk"):
+            report.found += found
+            continue
+        try:
+            fields = _split_fields(path)
+        except Exception as e:  # a header gguf-py cannot even parse
+            report.found += found or [Problem("junk", rec.file, f"{rec.file}: header unreadable ({e})")]
+            continue
+        number = fields.get(SPLIT_NO, -1) + 1
+        if found and found[0].kind in WHOLE_FILE and number != rec.number and number in by_number:
+            report.add(
+                "swapped", rec.file, f"{rec.file}: holds file {number} of the set ({by_number[number]})"
+            )
+            continue
+        report.found += found
+        if found and found[0].kind in WHOLE_FILE:
+            continue
+        want = {SPLIT_NO: rec.number - 1, SPLIT_COUNT: count, SPLIT_TENSORS: n_tensors}
+        for key, value in want.items():
+            if fields.get(key) != value:
+                report.add("split", rec.file, f"{rec.file}: {key} is {fields.get(key)}, expected {value}")
     bar.close()
     if source is not None:
         if model is None:
@@ -201,26 +229,30 @@ def _check_set(
     the folder holds a plan it can trust, with that plan: file names, tensor names, types and shapes."""
     for r in texts:
         if r.split_count != count or r.split_tensors != n_tensors:
-            report.problems.append(
+            report.add(
+                "set",
+                r.file,
                 f"{r.file}: says the set has {r.split_count} files and {r.split_tensors} tensors, "
-                f"{texts[0].file} says {count} and {n_tensors}"
+                f"{texts[0].file} says {count} and {n_tensors}",
             )
         if not 1 <= r.number <= count:
-            report.problems.append(f"{r.file}: number {r.number} is outside the set's 1..{count}")
+            report.add("set", r.file, f"{r.file}: number {r.number} is outside the set's 1..{count}")
     numbers = [r.number for r in texts]
     if len(set(numbers)) != len(numbers):
-        report.problems.append("the manifest lists a split file number twice")
+        report.add("set", "", "the manifest lists a split file number twice")
     if complete and count:
         absent = count - len({n for n in numbers if 1 <= n <= count})
         if absent > len(texts) + MAX_LISTED:  # a count no folder of records backs: say so once
-            report.problems.append(f"the manifest claims {count} split files but lists {len(texts)}")
+            report.add("set", "", f"the manifest claims {count} split files but lists {len(texts)}")
         else:
             gone = [k for k in range(1, count + 1) if k not in set(numbers)]
             for k in gone[:MAX_LISTED]:
-                report.problems.append(f"split file {k} of {count}: not in the manifest (not converted yet?)")
+                report.add(
+                    "unlisted", "", f"split file {k} of {count}: not in the manifest (not converted yet?)"
+                )
             if len(gone) > MAX_LISTED:
-                report.problems.append(
-                    f"... and {len(gone) - MAX_LISTED} more split files not in the manifest"
+                report.add(
+                    "unlisted", "", f"... and {len(gone) - MAX_LISTED} more split files not in the manifest"
                 )
     plan = folder.load_plan(model) if model is not None else None
     if plan is None or len(plan.files) != count:
@@ -232,14 +264,16 @@ def _check_set(
         planned = {t.name: (t.info.type.name, list(t.info.ne)) for t in pf.tensors}
         recorded = {t["name"]: (t["type"], t["ne"]) for t in r.tensors}
         if r.file != pf.filename:
-            report.problems.append(f"{r.file}: the folder's plan names file {r.number} {pf.filename}")
+            report.add("plan", r.file, f"{r.file}: the folder's plan names file {r.number} {pf.filename}")
         elif recorded != planned:
             name = next(
                 (n for n in sorted(planned.keys() | recorded.keys()) if planned.get(n) != recorded.get(n)),
                 "?",
             )
-            report.problems.append(
-                f"{r.file}: tensor {name}: recorded {recorded.get(name)}, the folder's plan says {planned.get(name)}"
+            report.add(
+                "plan",
+                r.file,
+                f"{r.file}: tensor {name}: recorded {recorded.get(name)}, the folder's plan says {planned.get(name)}",
             )
 
 
@@ -276,13 +310,15 @@ def _rederive(
     try:
         for rec in records:
             if not 1 <= rec.number <= len(plan.files):
-                report.problems.append(f"{rec.file}: the source plans only {len(plan.files)} files")
+                report.add("stale", rec.file, f"{rec.file}: the source plans only {len(plan.files)} files")
                 continue
             pf = plan.file(rec.number)
             if rec.plan_digest != pf.digest and not _same_shard_elsewhere(plan, pf, rec):
                 what = "metadata, tensors or source shard" if pf.number == 1 else "tensors or source shard"
-                report.problems.append(
-                    f"{rec.file}: stale: made from other inputs than {spec.describe()} ({what} differ); convert again"
+                report.add(
+                    "stale",
+                    rec.file,
+                    f"{rec.file}: stale: made from other inputs than {spec.describe()} ({what} differ); convert again",
                 )
             source.acquire(pf.source_file)
             try:
@@ -323,18 +359,24 @@ def _compare(rec: Record, pf: Any, reader: Any, report: Report, tensor_pieces: C
             h.update(memoryview(np.ascontiguousarray(piece)).cast("B"))
         t = want.get(pt.name)
         if t is None:
-            report.problems.append(
-                f"{rec.file}: tensor {pt.name}: planned from the source but not in the manifest"
+            report.add(
+                "rederive",
+                rec.file,
+                f"{rec.file}: tensor {pt.name}: planned from the source but not in the manifest",
             )
             continue
         if (t["type"], t["ne"]) != (pt.info.type.name, list(pt.info.ne)):
-            report.problems.append(
+            report.add(
+                "rederive",
+                rec.file,
                 f"{rec.file}: tensor {pt.name}: recorded {t['type']} {t['ne']}, the source gives "
-                f"{pt.info.type.name} {list(pt.info.ne)}"
+                f"{pt.info.type.name} {list(pt.info.ne)}",
             )
         if h.hexdigest() != t["sha256"]:
-            report.problems.append(
+            report.add(
+                "rederive",
+                rec.file,
                 f"{rec.file}: tensor {pt.name}: re-derived from the source, SHA-256 differs "
                 f"(source {pf.source_file}: {pt.sources[0]}"
-                + (f" and {len(pt.sources) - 1} more)" if len(pt.sources) > 1 else ")")
+                + (f" and {len(pt.sources) - 1} more)" if len(pt.sources) > 1 else ")"),
             )

@@ -1,0 +1,310 @@
+"""The Hub over HTTP, bounded in bytes and in time: every request k3lab or huggingface_hub makes.
+
+- **Time.** huggingface_hub's shared client makes some requests with no timeout at all
+  (``model_info``: a server that accepts and never answers hangs the run). ``install`` gives it a
+  transport that fills in a timeout wherever a request has none (``TIMEOUTS``) and watches every
+  answer's body: a transfer slower than a minimum rate over a window (curl's ``--speed-limit``
+  and ``--speed-time``: ``SPEED_LIMIT`` bytes/s over ``SPEED_TIME`` s, or ``K3LAB_SPEED_LIMIT=
+  BYTES/SECONDS``) fails with ``TooSlow``, a timeout: a trickling server ends a transfer in bounded
+  time, and ``retry.with_retries`` spends the retry budget on it like any outage.
+- **Bytes.** A body longer than its ``Content-Length``, an API answer over ``API_LIMIT`` and a
+  ranged answer longer than the range asked for are cut and refused (``WrongAnswer``), as is an
+  answer of the wrong kind (a web page where a file was asked, a range the server did not give).
+  These are the server's fault, not the network's: one line, no retries.
+
+``fetch_range`` reads one byte range of a file at a commit (a shard's header, a tensor); ``download``
+fetches a whole file into a path k3lab owns, resuming from the bytes already there (across
+attempts and across runs) and hashing as the bytes arrive, so the finished file is never read back
+to be checked.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2
+
+from k3lab.errors import K3LabError, MachineError
+from k3lab.pipeline.progress import NO_REPORT, TaskReport
+
+SPEED_ENV = "K3LAB_SPEED_LIMIT"
+SPEED_LIMIT, SPEED_TIME = 16 * 1024, 60.0  # below 16 KiB/s for a minute: a stalled transfer
+TIMEOUTS = {"connect": 30.0, "read": 60.0, "write": 60.0, "pool": 60.0}  # where a request sets none
+API_LIMIT = 64 << 20  # the Hub's JSON answers (a repo's file list: tens of KB for Kimi-K3)
+ERROR_LIMIT = 1 << 20  # an error answer's body
+CHUNK = 1 << 20
+
+
+class TooSlow(httpx2.ReadTimeout):
+    """A transfer below the minimum rate for a whole window: a timeout (the retry budget rides it out)."""
+
+
+class WrongAnswer(K3LabError):
+    """The server answered with something other than what was asked (more bytes than asked, a web
+    page for a file, another range): one line, not retried."""
+
+
+def speed_limit() -> tuple[float, float]:
+    """(bytes per second, seconds): ``K3LAB_SPEED_LIMIT=BYTES/SECONDS`` or the default."""
+    value = os.environ.get(SPEED_ENV, "").strip()
+    if not value:
+        return float(SPEED_LIMIT), SPEED_TIME
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)/([0-9]+(?:\.[0-9]+)?)", value)
+    if not m or float(m[2]) <= 0:
+        raise K3LabError(f"{SPEED_ENV}={value!r}: give BYTES/SECONDS, e.g. 16384/60")
+    return float(m[1]), float(m[2])
+
+
+def progress_that_counts() -> int:
+    """Bytes a transfer must bring to count as progress (a window's worth at the minimum rate): a
+    trickle never does, so it never starts the retry budget's clock again."""
+    rate, window = speed_limit()
+    return max(1, int(rate * window))
+
+
+class _Watched(httpx2.SyncByteStream):
+    """An answer's body, cut at ``limit`` bytes and failed when slower than the minimum rate."""
+
+    def __init__(self, inner: Any, limit: int | None, url: str):
+        self.inner, self.limit, self.url = inner, limit, url
+        self.rate, self.window = speed_limit()
+
+    def __iter__(self) -> Iterator[bytes]:
+        total = 0
+        start, at_start = time.monotonic(), 0
+        for chunk in self.inner:
+            total += len(chunk)
+            if self.limit is not None and total > self.limit:
+                raise WrongAnswer(f"{self.url}: the answer is longer than the {self.limit} bytes it may be")
+            now = time.monotonic()
+            if now - start >= self.window:
+                if total - at_start < self.rate * self.window:
+                    raise TooSlow(
+                        f"{self.url}: {total - at_start} bytes in {now - start:.0f} s, below the minimum "
+                        f"rate of {self.rate:.0f} bytes/s ({SPEED_ENV})"
+                    )
+                start, at_start = now, total
+            yield chunk
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()
+
+
+class BoundedTransport(httpx2.BaseTransport):
+    """huggingface_hub's transport with a timeout on every request and every body watched."""
+
+    def __init__(self, inner: httpx2.BaseTransport | None = None):
+        self.inner = inner or httpx2.HTTPTransport()
+
+    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        timeout = dict(request.extensions.get("timeout") or {})
+        for key, value in TIMEOUTS.items():
+            if timeout.get(key) is None:
+                timeout[key] = value
+        request.extensions = {**request.extensions, "timeout": timeout}
+        response = self.inner.handle_request(request)
+        limit = _length(response)
+        if limit is None and "/api/" in request.url.path:
+            limit = API_LIMIT
+        if response.status_code >= 400:  # an error's text: read whole by huggingface_hub to raise it
+            limit = min(limit if limit is not None else ERROR_LIMIT, ERROR_LIMIT)
+        response.stream = _Watched(response.stream, limit, str(request.url.copy_with(query=None)))
+        return response
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _length(response: httpx2.Response) -> int | None:
+    value = response.headers.get("Content-Length")
+    if value is None or response.headers.get("Content-Encoding"):
+        return None  # (a compressed body's length is not the decoded one's)
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
+_installed = threading.Lock()
+_done = False
+
+
+def install() -> None:
+    """Give huggingface_hub's shared client the bounded transport (once per process)."""
+    global _done
+    if _done:
+        return
+    with _installed:
+        if _done:
+            return
+        from huggingface_hub.utils import _http, set_client_factory
+
+        def factory() -> httpx2.Client:
+            client = _http.default_client_factory()
+            client._transport = BoundedTransport(client._transport)
+            return client
+
+        set_client_factory(factory)
+        _done = True
+
+
+# --- reading a file of a commit ---------------------------------------------------------------------
+
+
+def file_url(repo: str, file: str, commit: str, endpoint: str | None) -> str:
+    from huggingface_hub import hf_hub_url
+
+    return hf_hub_url(repo, file, revision=commit, endpoint=endpoint)
+
+
+def _headers(token: str | None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    from huggingface_hub.utils import build_hf_headers
+
+    return {**build_hf_headers(token=token), **(extra or {})}
+
+
+def _check_kind(response: httpx2.Response, what: str) -> None:
+    kind = response.headers.get("Content-Type", "")
+    if kind.split(";")[0].strip().lower() in ("text/html", "application/xhtml+xml"):
+        raise WrongAnswer(f"{what}: the Hub answered with a web page ({kind}), not the file's bytes")
+
+
+def _content_range(response: httpx2.Response, what: str) -> tuple[int, int, int | None]:
+    """(first, last, total) of a 206 answer's ``Content-Range``."""
+    value = response.headers.get("Content-Range", "")
+    m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", value.strip())
+    if not m:
+        raise WrongAnswer(f"{what}: a partial answer without a valid Content-Range ({value!r})")
+    return int(m[1]), int(m[2]), None if m[3] == "*" else int(m[3])
+
+
+def fetch_range(
+    url: str, start: int, stop: int, size: int, token: str | None, what: str, into: bytearray | None = None
+) -> bytes:
+    """Bytes ``[start, stop)`` of a file of ``size`` bytes: exactly those, or an error. The answer
+    must be that range (206 and its ``Content-Range``; or, for the whole file, 200 with ``size``
+    bytes); a longer or other answer is ``WrongAnswer``, a shorter one a transient error."""
+    from huggingface_hub.utils import get_session, hf_raise_for_status
+
+    if not 0 <= start <= stop <= size:
+        raise WrongAnswer(f"{what}: bytes [{start}, {stop}) are not within its {size} bytes")
+    want = stop - start
+    if want == 0:
+        return b""
+    out = into if into is not None else bytearray()
+    base = len(out)
+    headers = _headers(token, {"Range": f"bytes={start}-{stop - 1}", "Accept-Encoding": "identity"})
+    with get_session().stream("GET", url, headers=headers, follow_redirects=True) as r:
+        hf_raise_for_status(r)
+        _check_kind(r, what)
+        if r.status_code == 206:
+            first, last, total = _content_range(r, what)
+            if (first, last) != (start, stop - 1) or (total is not None and total != size):
+                raise WrongAnswer(
+                    f"{what}: asked for bytes {start}-{stop - 1} of {size}, the Hub answered "
+                    f"{first}-{last} of {total}"
+                )
+        elif r.status_code != 200 or start != 0 or stop != size:
+            raise WrongAnswer(
+                f"{what}: asked for bytes {start}-{stop - 1} of {size}, the Hub answered {r.status_code} "
+                "without that range"
+            )
+        for chunk in r.iter_raw():
+            if len(out) - base + len(chunk) > want:
+                raise WrongAnswer(f"{what}: the Hub sent more than the {want} bytes asked for")
+            out += chunk
+    if len(out) - base != want:
+        raise httpx2.RemoteProtocolError(f"{what}: {len(out) - base} of {want} bytes arrived")
+    return bytes(out[base:]) if into is None else b""
+
+
+def file_hash(sha256: str | None, size: int) -> Any:
+    """The hash the Hub identifies a file by: SHA-256 (LFS), or git's blob id (small files)."""
+    if sha256:
+        return hashlib.sha256()
+    h = hashlib.sha1(usedforsecurity=False)
+    h.update(b"blob %d\0" % size)
+    return h
+
+
+def download(
+    url: str,
+    path: Path,
+    size: int,
+    token: str | None,
+    what: str,
+    report: TaskReport = NO_REPORT,
+    hashed: Callable[[], Any] | None = None,
+) -> Any:
+    """Fetch the rest of a file into ``path`` (a file k3lab owns: never a symlink), from the bytes
+    already there: a cut transfer continues where it stopped, across attempts and across runs.
+    Returns the hash (``hashed()``, e.g. ``file_hash``) of the whole file, fed as the bytes arrive
+    (the bytes already on disk are hashed once, from there). A full disk is one line, exit 1."""
+    from huggingface_hub.utils import get_session, hf_raise_for_status
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        h = hashed() if hashed is not None else None
+        have = 0
+        while chunk := os.read(fd, CHUNK):
+            if h is not None:
+                h.update(chunk)
+            have += len(chunk)
+        if have > size:  # not this file's beginning: start again
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+            have, h = 0, hashed() if hashed is not None else None
+        if have == size:
+            return h
+        headers = _headers(token, {"Range": f"bytes={have}-{size - 1}", "Accept-Encoding": "identity"})
+        with get_session().stream("GET", url, headers=headers, follow_redirects=True) as r:
+            hf_raise_for_status(r)
+            _check_kind(r, what)
+            if r.status_code == 206:
+                first, _, total = _content_range(r, what)
+                if first != have or (total is not None and total != size):
+                    raise WrongAnswer(
+                        f"{what}: asked for bytes from {have} of {size}, the Hub answered from {first} of {total}"
+                    )
+            elif r.status_code == 200:  # the whole file again (a server that ignores ranges)
+                os.ftruncate(fd, 0)
+                os.lseek(fd, 0, os.SEEK_SET)
+                have, h = 0, hashed() if hashed is not None else None
+            else:
+                raise WrongAnswer(f"{what}: the Hub answered {r.status_code} to a download")
+            for chunk in r.iter_raw():
+                if have + len(chunk) > size:
+                    raise WrongAnswer(f"{what}: the Hub sent more than the file's {size} bytes")
+                try:
+                    _write_all(fd, chunk)
+                except OSError as e:
+                    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                        raise MachineError(
+                            f"{path}: no space left on the device ({what}: {size - have} more bytes needed)"
+                        ) from None
+                    raise
+                if h is not None:
+                    h.update(chunk)
+                have += len(chunk)
+                report.downloaded(len(chunk))
+        if have != size:
+            raise httpx2.RemoteProtocolError(f"{what}: {have} of {size} bytes arrived")
+        return h
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
