@@ -13,17 +13,18 @@ prefetched), each checked against its SHA-256 before it is converted.
   fetched; a file it did not fetch is never replaced: one line instead).
 - **Headers** are read with ranged GETs at the commit (a few MB for the whole model), so the plan
   needs no shard on disk.
-- **Shards.** A task ``acquire``s its shard: huggingface_hub downloads it (resuming by itself) into
-  a download slot k3lab owns (``slots``: ``SCRATCH/k3lab-dl-KEY/``, locked by the process using it;
-  a dead task's slot is removed by the next task); the file's SHA-256 is checked against the Hub's;
-  ``release`` deletes the slot. Disk budget: two shards per process (the one converting, the one
-  prefetched).
+- **Shards.** A task ``acquire``s its shard: ``http.download`` fetches it by ranged GETs into a
+  download slot k3lab owns (``slots``: ``SCRATCH/k3lab-dl-KEY/``, locked by the process using it),
+  hashing as the bytes arrive; a cut download continues from its last byte (in this run or the next:
+  the key is the file's name and SHA-256); other slots of dead tasks are removed. The SHA-256 is
+  checked against the Hub's before the file takes its name; ``release`` deletes the slot. Disk
+  budget: two shards per process (the one converting, the one prefetched).
 - **Outages** (``retry``): transient failures are retried with backoff until the Hub has failed for
   ``retry_budget`` seconds in a row: then ``HubUnreachable``, exit 1. 401/403/404 are ``HubError``,
   one line, exit 2.
 
-Nothing is printed here: download bytes, retries and huggingface_hub's own "trying to resume"
-warnings go to the task's ``TaskReport`` and so into the run's one progress bar.
+Nothing is printed here: download bytes and retries go to the task's ``TaskReport`` and so into the
+run's one progress bar.
 """
 
 from __future__ import annotations

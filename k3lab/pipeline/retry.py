@@ -1,8 +1,8 @@
 """Riding out the Hub's bad moments: which failures are transient (refused or reset connections,
 timeouts, 408/429/5xx, "the Hub cannot be reached", Xet's network errors) and which are refusals
 (401/403/404), and ``with_retries``: backoff within a time budget, the clock started again whenever
-bytes arrive. huggingface_hub's own download output (its bars, its "trying to resume" warnings) is
-folded into the task's report here too, so the run shows one bar."""
+an attempt brought real progress. huggingface_hub's own retry warnings (its uploads and commits)
+are folded into the task's report here too, so the run shows one bar."""
 
 from __future__ import annotations
 
