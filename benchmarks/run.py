@@ -33,7 +33,7 @@ import numpy as np
 
 from k3lab.formats import mxfp4
 from k3lab.kimi_k3.model import MODEL
-from k3lab.pipeline.folder import OutputFolder
+from k3lab.pipeline.writing.folder import OutputFolder
 
 ROWS: dict[str, Callable[[], list[tuple[str, str, str]]]] = {}
 
@@ -81,9 +81,10 @@ def bench_repack() -> list[tuple[str, str, str]]:
 
 CONVERT_ONE = """
 import resource, sys, time
-from k3lab.pipeline.runner import start_run
-from k3lab.pipeline.sources import SourceSpec
-from k3lab.pipeline.convert import convert_file
+from k3lab.pipeline.running.runner import start_run
+from k3lab.pipeline.sources import open_source
+from k3lab.pipeline.sources.base import SourceSpec
+from k3lab.pipeline.writing.convert import convert_file
 src, out, nohash = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 if nohash:  # measure the manifest's cost: the same run with a hasher that does nothing
     import k3lab.formats.hashing
@@ -94,7 +95,7 @@ if nohash:  # measure the manifest's cost: the same run with a hasher that does 
 from k3lab.kimi_k3.model import MODEL
 spec = SourceSpec.local(src)
 with start_run(MODEL, spec, out) as (plan, _, _):
-    source = spec.open()
+    source = open_source(spec)
 import numpy as np
 from k3lab.formats import mxfp4
 mxfp4.repack(np.zeros((1, 16), np.uint8), np.zeros((1, 1), np.uint8))  # numba's one-time start (~1 s a process)
@@ -177,15 +178,15 @@ def bench_layer() -> list[tuple[str, str, str]]:
 FULL_TASK_SETUP = """
 import sys, time
 t0 = time.perf_counter()
-from k3lab.pipeline.convert import file_kvs, shard_entries
-from k3lab.pipeline.folder import OutputFolder
-from k3lab.pipeline.sources import SourceSpec
+from k3lab.pipeline.writing.convert import file_kvs, shard_entries
+from k3lab.pipeline.writing.folder import OutputFolder
+from k3lab.pipeline.sources.base import SourceSpec
 out, src, k = sys.argv[1], sys.argv[2], int(sys.argv[3])
 t1 = time.perf_counter()
 folder = OutputFolder(out)
 from k3lab.kimi_k3.model import MODEL
 plan = folder.require_plan(MODEL)
-source = SourceSpec.local(src).open()
+source = open_source(SourceSpec.local(src))
 entries = shard_entries(plan, k, source)
 kvs = file_kvs(plan, k, folder)
 t2 = time.perf_counter()

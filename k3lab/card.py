@@ -10,8 +10,8 @@ from importlib import resources
 from typing import Any
 
 from k3lab import __version__
-from k3lab.pipeline.publish import COMMIT_EVERY, Publication, PushTarget, files_table, render_card
-from k3lab.pipeline.record import Record
+from k3lab.pipeline.publishing.publish import COMMIT_EVERY, Publication, PushTarget, files_table, render_card
+from k3lab.pipeline.writing.record import Record
 from k3lab.util import human_bytes
 
 SCALAR_TYPES = (str, int, float, bool)
@@ -55,7 +55,7 @@ def extra_files(out_dir: str, source: str, repo: str, license: str = "other") ->
     ``source``: the source repo (a local copy: the model's own repo)."""
 
     def make(plan: Any, records: list[Record]) -> dict[str, bytes]:
-        from k3lab.pipeline.folder import OutputFolder
+        from k3lab.pipeline.writing.folder import OutputFolder
         from k3lab.tensor_map import tensor_map_markdown
 
         text = sorted((r for r in records if r.is_text), key=lambda r: r.number)

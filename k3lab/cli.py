@@ -16,8 +16,8 @@ from k3lab.errors import K3LabError
 MAX_JOBS = 256  # processes on one machine
 
 if TYPE_CHECKING:
-    from k3lab.pipeline.runner import RunOptions
-    from k3lab.pipeline.sources import SourceSpec
+    from k3lab.pipeline.running.runner import RunOptions
+    from k3lab.pipeline.sources.base import SourceSpec
 
 
 class _Parser(argparse.ArgumentParser):
@@ -97,7 +97,7 @@ def _model() -> Any:
 
 def _tokenizer(args: argparse.Namespace) -> int:
     from k3lab.kimi_k3.tokenizer import chat_template_choice
-    from k3lab.pipeline.single import convert_tokenizer
+    from k3lab.pipeline.writing.single import convert_tokenizer
 
     template, line = chat_template_choice(args.meta, args.chat_template)
     print(line)
@@ -112,9 +112,9 @@ def _source_spec(args: argparse.Namespace, out_dir: str | Path | None = None) ->
     import os
 
     from k3lab.formats.safetensors import INDEX_NAME
-    from k3lab.pipeline.folder import OutputFolder
-    from k3lab.pipeline.hub import hub_spec
-    from k3lab.pipeline.sources import SourceSpec
+    from k3lab.pipeline.sources.base import SourceSpec
+    from k3lab.pipeline.sources.hub import hub_spec
+    from k3lab.pipeline.writing.folder import OutputFolder
 
     model = _model()
     repo = getattr(args, "repo", None)
@@ -145,7 +145,7 @@ def _source_spec(args: argparse.Namespace, out_dir: str | Path | None = None) ->
 def _run_options(args: argparse.Namespace, say: bool = False) -> RunOptions:
     """--outtype, --name, --force, and the chat template to embed (the choice printed when ``say``)."""
     from k3lab.kimi_k3.tokenizer import chat_template_choice
-    from k3lab.pipeline.runner import RunOptions
+    from k3lab.pipeline.running.runner import RunOptions
 
     template, line = chat_template_choice(args.meta, args.chat_template)
     if say:
@@ -156,10 +156,11 @@ def _run_options(args: argparse.Namespace, say: bool = False) -> RunOptions:
 def _plan(args: argparse.Namespace) -> int:
     import json
 
-    from k3lab.pipeline.folder import check_basename
-    from k3lab.pipeline.plan_table import describe_plan
-    from k3lab.pipeline.planner import build_plan
-    from k3lab.pipeline.runner import start_run
+    from k3lab.pipeline.planning.plan_table import describe_plan
+    from k3lab.pipeline.planning.planner import build_plan
+    from k3lab.pipeline.running.runner import start_run
+    from k3lab.pipeline.sources import open_source
+    from k3lab.pipeline.writing.folder import check_basename
 
     model = _model()
     spec = _source_spec(args, args.out_dir)
@@ -174,7 +175,7 @@ def _plan(args: argparse.Namespace) -> int:
             show(plan)
         return 0
     basename = check_basename(model.default_basename if options.basename is None else options.basename)
-    source = spec.open_fresh()
+    source = open_source(spec, fresh=True)
     source.fetch_meta()
     cfg = model.load_config(Path(args.meta))
     show(build_plan(model, cfg, source, options.outtype, basename, options.chat_template))
@@ -182,7 +183,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from k3lab.pipeline.runner import convert_shards
+    from k3lab.pipeline.running.runner import convert_shards
     from k3lab.util import human_bytes
 
     if args.scheduler and args.jobs != 1:
@@ -219,7 +220,7 @@ def _publication(args: argparse.Namespace, out_dir: str, source_repo: str | None
     import os
 
     from k3lab.card import publication
-    from k3lab.pipeline.publish import PushTarget
+    from k3lab.pipeline.publishing.publish import PushTarget
 
     if not args.push_to:
         for flag in ("push_branch", "private", "keep_local", "commit_every"):
@@ -239,7 +240,7 @@ def _publication(args: argparse.Namespace, out_dir: str, source_repo: str | None
 
 
 def _publish(args: argparse.Namespace) -> int:
-    from k3lab.pipeline.publish import publish_folder
+    from k3lab.pipeline.publishing.publish import publish_folder
 
     args.repo = None
     publication = _publication(args, args.out_dir, None)
@@ -278,7 +279,7 @@ def _push_flags(p: argparse.ArgumentParser) -> None:
 def _verify(args: argparse.Namespace) -> int:
     import tempfile
 
-    from k3lab.pipeline.verify import verify
+    from k3lab.pipeline.checking.verify import verify
 
     rederive = args.src is not None or args.repo is not None
     if rederive and args.meta is None:
@@ -314,7 +315,7 @@ def _tensor_map(args: argparse.Namespace) -> int:
 
 
 def _vision(args: argparse.Namespace) -> int:
-    from k3lab.pipeline.single import convert_single
+    from k3lab.pipeline.writing.single import convert_single
 
     print(convert_single(_model(), _source_spec(args, Path(args.out).parent), args.out))
     return 0
@@ -324,12 +325,13 @@ def _check_logits(args: argparse.Namespace) -> int:
     import tempfile
 
     from k3lab.kimi_k3.logits import check_logits, check_stages
+    from k3lab.pipeline.sources import open_source
 
     tokens = [int(t) for t in args.tokens.replace(",", " ").split()] if args.tokens else None
     with tempfile.TemporaryDirectory(prefix="k3lab-logits-") as tmp:
         if args.repo and not args.scratch:
             args.scratch = tmp
-        source = _source_spec(args).open_fresh()
+        source = open_source(_source_spec(args), fresh=True)
         source.fetch_meta()
         try:
             report = check_logits(source, args.gguf, args.prompt, tokens, args.threshold, args.mode)
@@ -346,8 +348,8 @@ def _check_logits(args: argparse.Namespace) -> int:
 
 
 def _batch(args: argparse.Namespace) -> int:
-    from k3lab.pipeline.batch import run_batch, summary
-    from k3lab.pipeline.runner import start_run
+    from k3lab.pipeline.running.batch import run_batch, summary
+    from k3lab.pipeline.running.runner import start_run
 
     spec = _source_spec(args, args.out_dir)
     with start_run(_model(), spec, args.out_dir, shards=args.shards) as (plan, token, numbers):
@@ -546,7 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from k3lab.pipeline.task import Stopped, stop_on_sigterm
+    from k3lab.pipeline.running.task import Stopped, stop_on_sigterm
 
     parser = build_parser()
     try:

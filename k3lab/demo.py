@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 from k3lab.kimi_k3.model import MODEL
-from k3lab.pipeline.runner import convert_shards
-from k3lab.pipeline.single import convert_single, convert_tokenizer
-from k3lab.pipeline.sources import SourceSpec
-from k3lab.pipeline.verify import verify
+from k3lab.pipeline.checking.verify import verify
+from k3lab.pipeline.running.runner import convert_shards
+from k3lab.pipeline.sources.base import SourceSpec
+from k3lab.pipeline.writing.single import convert_single, convert_tokenizer
 from k3lab.synth import synthesize
 from k3lab.synth.report import describe
 from k3lab.util import human_bytes

@@ -24,10 +24,11 @@ from k3lab.kimi_k3.config import K3Config
 from k3lab.kimi_k3.model import MODEL
 from k3lab.kimi_k3.rules import expert_of, expert_tensor, vision_block_prefix
 from k3lab.kimi_k3.tokenizer import build_vocabulary, read_tiktoken
-from k3lab.pipeline.folder import OutputFolder
-from k3lab.pipeline.plan import Plan
-from k3lab.pipeline.single import plan_single
-from k3lab.pipeline.sources import Source, SourceSpec
+from k3lab.pipeline.planning.plan import Plan
+from k3lab.pipeline.sources import open_source
+from k3lab.pipeline.sources.base import Source, SourceSpec
+from k3lab.pipeline.writing.folder import OutputFolder
+from k3lab.pipeline.writing.single import plan_single
 
 OUTLIER_LOW, OUTLIER_HIGH = 0, 250  # E8M0 bytes worth a look: an all-zero block, or ~2**123
 HOME_ENV = "K3LAB_HOME"  # set by `k3lab lab`: where the notebooks' relative paths start
@@ -63,7 +64,7 @@ def source_spec(
     Hub repo (``repo`` at ``revision``; ``HF_TOKEN`` and ``HF_ENDPOINT`` from the environment)."""
     if repo is None:
         return SourceSpec.local(meta, src)
-    from k3lab.pipeline.hub import hub_spec
+    from k3lab.pipeline.sources.hub import hub_spec
 
     return hub_spec(
         meta,
@@ -86,10 +87,10 @@ def open_conversion(
     """The saved plan of converting the checkpoint (a folder, or any ``SourceSpec``) into
     ``out_dir`` (made and saved now when missing or stale, as ``k3lab convert`` would) and the source
     it reads."""
-    from k3lab.pipeline.runner import prepare
+    from k3lab.pipeline.running.runner import prepare
 
     spec = _spec(meta, src)
-    source = spec.open_fresh()
+    source = open_source(spec, fresh=True)
     source.fetch_meta()
     return prepare(MODEL, spec, out_dir)[0], source
 
@@ -105,7 +106,7 @@ def convert(
 ) -> list[Any]:
     """Convert output files ``shards`` (default: all) exactly as ``k3lab convert`` does (as part of
     the run holding ``run_token`` when `k3lab batch` runs this), with a progress bar if asked."""
-    from k3lab.pipeline.runner import RunOptions, convert_shards
+    from k3lab.pipeline.running.runner import RunOptions, convert_shards
 
     quiet = None if progress else True  # None: a bar even where the output is no terminal (a notebook)
     return convert_shards(
@@ -122,7 +123,7 @@ def convert(
 def open_checkpoint(src: str | Path | SourceSpec, meta: str | Path | None = None) -> tuple[K3Config, Source]:
     """The config and the source of a checkpoint (a folder, or any ``SourceSpec``)."""
     spec = src if isinstance(src, SourceSpec) else source_spec(meta or src, src)
-    source = spec.open_fresh()
+    source = open_source(spec, fresh=True)
     source.fetch_meta()
     return K3Config.load(spec.meta_dir), source
 

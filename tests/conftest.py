@@ -32,8 +32,8 @@ def tiny_out(tiny_src: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def saved_plan(src: Path, out: Path):
     """Plan converting ``src`` into ``out`` and save it there, as a run does (then release the folder)."""
     from k3lab.kimi_k3.model import MODEL
-    from k3lab.pipeline.runner import start_run
-    from k3lab.pipeline.sources import SourceSpec
+    from k3lab.pipeline.running.runner import start_run
+    from k3lab.pipeline.sources.base import SourceSpec
 
     with start_run(MODEL, SourceSpec.local(src), out) as (plan, _, _):
         return plan

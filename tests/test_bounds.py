@@ -353,7 +353,7 @@ def test_a_copied_folder_is_proven_once_by_its_bytes(
 ) -> None:
     """A copy has new inodes: every file is re-hashed against its record (and found complete), and
     its new identity recorded, so the next run trusts it at once."""
-    from k3lab.pipeline.folder import OutputFolder
+    from k3lab.pipeline.writing.folder import OutputFolder
 
     out = tmp_path / "copy"
     shutil.copytree(tiny_out, out)

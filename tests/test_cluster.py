@@ -296,8 +296,8 @@ def test_one_byte_bar_moves_while_the_cluster_works(cluster: str, tiny_src: Path
     code = (
         "import sys, huggingface_hub.constants as c; c.DOWNLOAD_CHUNK_SIZE = 65536\n"
         "from k3lab.kimi_k3.model import MODEL\n"
-        "from k3lab.pipeline.hub import hub_spec\n"
-        "from k3lab.pipeline.runner import convert_shards\n"
+        "from k3lab.pipeline.sources.hub import hub_spec\n"
+        "from k3lab.pipeline.running.runner import convert_shards\n"
         "import os\n"
         "spec = hub_spec(sys.argv[1], 'moonshotai/Kimi-K3', scratch=sys.argv[3], endpoint=os.environ['HF_ENDPOINT'],"
         " meta_files=MODEL.meta_files, optional_meta=MODEL.optional_meta)\n"

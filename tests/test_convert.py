@@ -228,9 +228,9 @@ def test_conversions_in_threads_of_one_process_give_identical_files(
     from conftest import saved_plan
 
     from k3lab.kimi_k3.model import MODEL
-    from k3lab.pipeline.folder import OutputFolder
-    from k3lab.pipeline.sources import SourceSpec
-    from k3lab.pipeline.task import Task, run_task
+    from k3lab.pipeline.running.task import Task, run_task
+    from k3lab.pipeline.sources.base import SourceSpec
+    from k3lab.pipeline.writing.folder import OutputFolder
 
     spec = SourceSpec.local(tiny_src)
     task = Task(MODEL, str(tmp_path), spec, saved_plan(tiny_src, tmp_path).inputs_digest)

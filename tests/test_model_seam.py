@@ -14,10 +14,10 @@ import pytest
 import toy_model
 
 from k3lab.formats import mxfp4
-from k3lab.pipeline.folder import OutputFolder
-from k3lab.pipeline.runner import RunOptions, convert_shards
-from k3lab.pipeline.sources import SourceSpec
-from k3lab.pipeline.verify import verify
+from k3lab.pipeline.checking.verify import verify
+from k3lab.pipeline.running.runner import RunOptions, convert_shards
+from k3lab.pipeline.sources.base import SourceSpec
+from k3lab.pipeline.writing.folder import OutputFolder
 
 PACKAGE = Path(__file__).resolve().parent.parent / "k3lab"
 
@@ -68,7 +68,7 @@ def test_a_second_architecture_plans_converts_resumes_and_verifies(tmp_path: Pat
     assert r.fields["general.architecture"].contents() == "toy"
     assert r.fields["toy.expert_count"].contents() == cfg.n_expert
     tensors = {t.name: t for t in r.tensors}
-    from k3lab.pipeline.sources import LocalSource
+    from k3lab.pipeline.sources.local import LocalSource
 
     source = LocalSource(src)
     gate = np.asarray(source.array("layers.0.gate"))

@@ -14,10 +14,10 @@ from conftest import convert, saved_plan, state_json
 from k3lab.cli import main
 from k3lab.formats import safetensors
 from k3lab.kimi_k3.model import MODEL
-from k3lab.pipeline import forecast, planner
-from k3lab.pipeline import plan as plan_mod
-from k3lab.pipeline.sources import SourceSpec
-from k3lab.pipeline.task import Task, run_task
+from k3lab.pipeline.planning import forecast, planner
+from k3lab.pipeline.planning import plan as plan_mod
+from k3lab.pipeline.running.task import Task, run_task
+from k3lab.pipeline.sources.base import SourceSpec
 
 
 def _copy(src: Path, tmp: Path) -> Path:
@@ -63,14 +63,15 @@ def test_a_task_reads_only_its_own_shard_header(tiny_src: Path, tmp_path: Path, 
     read: list[str] = []
     real = safetensors.read_raw_header
     monkeypatch.setattr(
-        "k3lab.pipeline.sources.read_raw_header", lambda p: read.append(Path(p).name) or real(p)
+        "k3lab.pipeline.sources.base.read_raw_header", lambda p: read.append(Path(p).name) or real(p)
     )
     monkeypatch.setattr(
-        "k3lab.pipeline.sources.read_index", lambda *a: pytest.fail("a task parsed the index")
+        "k3lab.pipeline.sources.base.read_index", lambda *a: pytest.fail("a task parsed the index")
     )
-    from k3lab.pipeline import sources, task
+    from k3lab.pipeline import sources
+    from k3lab.pipeline.running import task
 
-    sources._open_source.cache_clear()
+    sources._open.cache_clear()
     task.task_plan.cache_clear()
     result = run_task(Task(MODEL, str(tmp_path), spec, plan.inputs_digest), 3)
     assert not result.skipped
@@ -169,9 +170,10 @@ def test_a_task_refuses_a_shard_that_changed_after_planning(tiny_src: Path, tmp_
     data = shard.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     shard.write_bytes(data[: 8 + n - 1] + b"\n" + data[8 + n :])  # same length, other header bytes
-    from k3lab.pipeline import sources, task
+    from k3lab.pipeline import sources
+    from k3lab.pipeline.running import task
 
-    sources._open_source.cache_clear()
+    sources._open.cache_clear()
     task.task_plan.cache_clear()
     with pytest.raises(plan_mod.PlanError, match="header differs from the one the plan was made from"):
         run_task(Task(MODEL, str(tmp_path / "out"), spec, plan.inputs_digest), 2)

@@ -128,7 +128,7 @@ def test_a_task_asks_the_disk_for_its_first_bytes_up_front() -> None:
     """`Reader.start`: the first `nbytes` of the tensors, in the order they are written, are hinted
     (whole tensors, then part of the one the budget ends in), and nothing beyond."""
     from k3lab.formats.safetensors import TensorEntry
-    from k3lab.pipeline.convert import Reader
+    from k3lab.pipeline.writing.convert import Reader
 
     class Hints:
         def __init__(self) -> None:

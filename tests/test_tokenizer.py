@@ -22,7 +22,7 @@ from k3lab.kimi_k3.tokenizer import (
     read_tiktoken,
     token_to_unicode,
 )
-from k3lab.pipeline.single import convert_tokenizer
+from k3lab.pipeline.writing.single import convert_tokenizer
 from k3lab.synth.generate import extend_vocab
 
 CORPUS = [

@@ -190,7 +190,7 @@ def test_an_index_naming_a_file_outside_the_source_is_refused(
 
 
 def test_a_hub_source_deletes_only_what_it_downloaded(tmp_path: Path) -> None:
-    from k3lab.pipeline.hub import HubSource, hub_spec
+    from k3lab.pipeline.sources.hub import HubSource, hub_spec
 
     scratch = tmp_path / "scratch"
     scratch.mkdir()
@@ -294,9 +294,9 @@ def test_a_plan_whose_bytes_changed_reads_as_absent(drawn: Path, tmp_path: Path,
     """One byte of the plan's config edited (a field no file digest covers); forged: with the state
     line's digest recomputed, so that only the comparison with config.json on disk catches it."""
     from k3lab.kimi_k3.model import MODEL
-    from k3lab.pipeline.folder import OutputFolder
-    from k3lab.pipeline.runner import prepare
-    from k3lab.pipeline.sources import SourceSpec
+    from k3lab.pipeline.running.runner import prepare
+    from k3lab.pipeline.sources.base import SourceSpec
+    from k3lab.pipeline.writing.folder import OutputFolder
 
     out = tmp_path / "out"
     assert _convert(drawn, out, "--shards", "1") == 0

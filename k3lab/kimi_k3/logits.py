@@ -22,7 +22,7 @@ import numpy as np
 from k3lab.errors import K3LabError
 from k3lab.kimi_k3.config import K3Config
 from k3lab.kimi_k3.reference import Reference, rms_norm
-from k3lab.pipeline.sources import Source
+from k3lab.pipeline.sources.base import Source
 
 DEFAULT_PROMPT = (
     "The quick brown fox converts every shard of the model. 人工智能正在改变世界。 "
@@ -205,7 +205,7 @@ def check_stages(
     """Every stage of the forward pass, the reference given llama.cpp's own input for it: the embedding
     lookup, each AttnRes mix, each norm, each attention block, each router's choice, each FFN, the
     final mix, norm and head. A wrong tensor is named where it acts, whatever the weights look like."""
-    from k3lab.pipeline.llama_trace import trace
+    from k3lab.kimi_k3.llama_trace import trace
 
     cfg = K3Config.load(source.meta_dir)
     ref = Reference(cfg, source, mode)

@@ -17,17 +17,18 @@ from pathlib import Path
 from tqdm.auto import tqdm  # a widget bar in a notebook, a text bar on a terminal
 
 from k3lab.errors import K3LabError, MachineError
-from k3lab.pipeline.convert import FileResult
-from k3lab.pipeline.folder import OutputFolder, check_basename
 from k3lab.pipeline.model import Model
-from k3lab.pipeline.plan import Plan
-from k3lab.pipeline.planner import make_plan, plan_options, still_current
-from k3lab.pipeline.processes import run_here, run_pool
+from k3lab.pipeline.planning.plan import Plan
+from k3lab.pipeline.planning.planner import make_plan, plan_options, still_current
 from k3lab.pipeline.progress import RunProgress
-from k3lab.pipeline.publish import Committer, Publication, open_committer, published
-from k3lab.pipeline.record import Record
-from k3lab.pipeline.sources import SourceSpec
-from k3lab.pipeline.task import Task, run_task
+from k3lab.pipeline.publishing.publish import Committer, Publication, open_committer, published
+from k3lab.pipeline.running.processes import run_here, run_pool
+from k3lab.pipeline.running.task import Task, run_task
+from k3lab.pipeline.sources import open_source
+from k3lab.pipeline.sources.base import SourceSpec
+from k3lab.pipeline.writing.convert import FileResult
+from k3lab.pipeline.writing.folder import OutputFolder, check_basename
+from k3lab.pipeline.writing.record import Record
 
 
 class ShardSpecError(K3LabError):
@@ -82,7 +83,7 @@ def prepare(
     basename = check_basename(model.default_basename if options.basename is None else options.basename)
     folder = OutputFolder(out_dir)
     folder.check_state_dir()
-    source = spec.open_fresh()
+    source = open_source(spec, fresh=True)
     source.fetch_meta()
     saved = folder.load_plan(model)
     if saved is not None and still_current(
@@ -252,7 +253,7 @@ def _convert_planned(
     stopped = True
     try:
         if todo and scheduler:
-            from k3lab.pipeline.cluster import run_on_dask
+            from k3lab.pipeline.running.cluster import run_on_dask
 
             run_on_dask(
                 run_task,
@@ -275,7 +276,7 @@ def _convert_planned(
             if not r.skipped:
                 progress.finished(r.number, plan.file(r.number).source_bytes)
         bar.close()
-        task.source.open().close()
+        open_source(task.source).close()
         published_to = None
         if committer is not None and not stopped:  # (Ctrl-C: nothing more is written)
             try:

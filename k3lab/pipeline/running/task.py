@@ -19,14 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3lab.errors import K3LabError
-from k3lab.pipeline.convert import FileResult, convert_file, worker_name
-from k3lab.pipeline.folder import OutputFolder
+from k3lab.errors import K3LabError, MachineError
 from k3lab.pipeline.model import Model
-from k3lab.pipeline.plan import Plan
+from k3lab.pipeline.planning.plan import Plan
 from k3lab.pipeline.progress import TaskReport
-from k3lab.pipeline.publish import PushTarget, upload
-from k3lab.pipeline.sources import SourceSpec
+from k3lab.pipeline.publishing.publish import PushTarget, upload
+from k3lab.pipeline.running.events import worker_channel
+from k3lab.pipeline.sources import open_source
+from k3lab.pipeline.sources.base import SourceSpec
+from k3lab.pipeline.writing.convert import FileResult, convert_file, worker_name
+from k3lab.pipeline.writing.folder import OutputFolder
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,6 @@ def _task_report(task: Task, number: int) -> TaskReport:
     """Where this task's messages go (the run's queue, or Dask's event stream), and how it hears of
     a stop (on Dask: the run's Event; elsewhere signals reach the process itself)."""
     if task.channel:
-        from k3lab.pipeline.cluster import worker_channel
-
         emit, stop = worker_channel(task.channel)
         return TaskReport(number, emit, stop)
     q = progress_queue
@@ -94,7 +94,7 @@ def run_task(
         if plan_state is not None:
             folder.import_plan(plan_state)
         plan = task_plan(task.model, out_dir, task.plan_digest)
-        source = spec.open()
+        source = open_source(spec)
         if next_number is not None:
             ahead = TaskReport(next_number, report.emit, report.stop)
             source.prefetch(plan.file(next_number).source_file, ahead)
@@ -131,6 +131,12 @@ def _publish_file(
     result.record = record.to_json()
     if not push.keep_local:
         folder.remove_output(filename)
+
+
+def gives_up(e: K3LabError) -> bool:
+    """After this failure a run starts no more files: the machine's or the network's trouble (a full
+    disk, the Hub down past its retry budget) would fail them all, one budget each."""
+    return isinstance(e, MachineError)
 
 
 _converting = 0  # conversions running in this process (a SIGTERM then has cleaning up to do)

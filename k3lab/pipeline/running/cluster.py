@@ -17,61 +17,16 @@ Each output file is one task (``task.run_task``) submitted to the scheduler. The
 from __future__ import annotations
 
 import queue as queue_mod
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from k3lab.errors import K3LabError, MachineError
-from k3lab.pipeline.progress import Cancelled, Message, RunProgress
+from k3lab.pipeline.progress import Cancelled, RunProgress
+from k3lab.pipeline.running.events import channel_name
+from k3lab.pipeline.running.task import gives_up
 
 STOP_GRACE = 60.0  # seconds the client waits for running tasks to stop after Ctrl-C
-FLUSH_EVERY = 0.25  # seconds between two progress events of a task
-
-
-def channel_name(run_token: str) -> str:
-    return f"k3lab-run-{run_token}"
-
-
-class _WorkerEmitter:
-    """A task's messages as Dask events: byte counts batched, the rest at once."""
-
-    def __init__(self, topic: str):
-        from distributed import get_worker
-
-        self.worker, self.topic = get_worker(), topic
-        self.pending: dict[tuple[str, int], int] = {}
-        self.last = 0.0
-        self.lock = threading.Lock()
-
-    def __call__(self, msg: Message) -> None:
-        kind, number, value = msg
-        with self.lock:
-            if kind in ("read", "down"):
-                self.pending[(kind, number)] = self.pending.get((kind, number), 0) + int(value)
-                if time.monotonic() - self.last < FLUSH_EVERY:
-                    return
-                out = []
-            else:
-                out = [list(msg)]
-            batch = [[k, n, v] for (k, n), v in self.pending.items()] + out
-            self.pending.clear()
-            self.last = time.monotonic()
-        for m in batch:
-            self.worker.log_event(self.topic, m)
-
-
-_stop_events: dict[str, Any] = {}
-
-
-def worker_channel(channel: str) -> tuple[Callable[[Message], None], Callable[[], bool]]:
-    """In a task on a Dask worker: where its messages go and whether its run has stopped."""
-    from distributed import Event
-
-    event = _stop_events.get(channel)
-    if event is None:
-        event = _stop_events[channel] = Event(channel)
-    return _WorkerEmitter(channel), event.is_set
 
 
 def run_on_dask(
@@ -93,7 +48,6 @@ def run_on_dask(
 
     from distributed import Client, Event, wait
 
-    from k3lab.pipeline.processes import gives_up
 
     channel = channel_name(task.run_token)
     task = dataclasses.replace(task, channel=channel)

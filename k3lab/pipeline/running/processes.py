@@ -16,17 +16,11 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from k3lab.errors import K3LabError, MachineError
-from k3lab.pipeline import task as task_mod
-from k3lab.pipeline.convert import FileResult
-from k3lab.pipeline.folder import OutputFolder
 from k3lab.pipeline.progress import RunProgress
-from k3lab.pipeline.task import Task, init_worker, run_task, task_plan
-
-
-def gives_up(e: K3LabError) -> bool:
-    """After this failure a run starts no more files: the machine's or the network's trouble (a full
-    disk, the Hub down past its retry budget) would fail them all, one budget each."""
-    return isinstance(e, MachineError)
+from k3lab.pipeline.running import task as task_mod
+from k3lab.pipeline.running.task import Task, gives_up, init_worker, run_task, task_plan
+from k3lab.pipeline.writing.convert import FileResult
+from k3lab.pipeline.writing.folder import OutputFolder
 
 
 def run_here(task: Task, todo: list[int], progress: RunProgress, results: list, failures: dict) -> None:

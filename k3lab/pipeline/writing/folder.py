@@ -52,9 +52,9 @@ from k3lab.formats.files import (
 )
 from k3lab.formats.gguf_stream import KV, kvs_from_json, kvs_to_json
 from k3lab.pipeline.model import Model
-from k3lab.pipeline.plan import Plan, PlanError, file_digest, kvs_digest
-from k3lab.pipeline.proof import identity, is_recorded_file
-from k3lab.pipeline.record import FORMAT, ManifestError, Record, records_of_manifest
+from k3lab.pipeline.planning.plan import Plan, PlanError, file_digest, kvs_digest
+from k3lab.pipeline.writing.proof import identity, is_recorded_file
+from k3lab.pipeline.writing.record import FORMAT, ManifestError, Record, records_of_manifest
 
 STATE_DIR = ".k3lab"
 LOCK_NAME, PLAN_NAME, KVS_NAME, SCRATCH_NAME = "lock", "plan.json", "kvs.json", "scratch"

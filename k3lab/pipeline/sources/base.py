@@ -1,4 +1,4 @@
-"""Sources: the checkpoint's files behind one interface, in a local folder or on the Hub.
+"""The source interface: the checkpoint's files, wherever they are (a kind of source subclasses it).
 
 The planner asks a source for the index and every shard's header; a conversion task asks it for
 one shard: ``acquire(file)`` (local: nothing; Hub: download into scratch, resuming), bounded
@@ -6,14 +6,12 @@ one shard: ``acquire(file)`` (local: nothing; Hub: download into scratch, resumi
 hints the next file (Hub: its download starts while this one converts; at most one ahead).
 
 A ``SourceSpec`` is the picklable recipe for a source: every worker (a ``--jobs`` process, a Dask
-worker on another machine) opens its own from it, so the same task runs anywhere. Source kinds are
-registered by name in ``KINDS`` (kind -> the module that defines it, imported when first opened):
-a new kind is one new module with a ``Source`` subclass and a ``open_source(spec)`` function, plus
-its line in ``KINDS``.
+worker on another machine) opens its own from it (``sources.open_source``), so the same task runs
+anywhere.
 
-Local validation: the index must agree with the files (every file it names exists, every tensor
-it names is in that file's header and every tensor in a header is in the index); headers are
-validated by ``formats.safetensors`` (offsets inside the file, dtype x shape = byte length).
+The index must agree with the files (every file it names exists, every tensor it names is in that
+file's header and every tensor in a header is in the index); headers are validated by
+``formats.safetensors`` (offsets inside the file, dtype x shape = byte length).
 """
 
 from __future__ import annotations
@@ -21,9 +19,7 @@ from __future__ import annotations
 import abc
 import collections
 import dataclasses
-import functools
 import hashlib
-import importlib
 import mmap
 import os
 import threading
@@ -46,8 +42,6 @@ from k3lab.pipeline.progress import NO_REPORT, TaskReport
 
 MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 DROP_LAG = 8  # pieces mapped since: a piece this old is hashed, written and unmapped (2-3 are alive)
-# source kinds: kind -> the module defining ``open_source(spec)`` (imported when first opened)
-KINDS = {"local": "k3lab.pipeline.sources", "hub": "k3lab.pipeline.hub"}
 
 
 class SourceError(K3LabError):
@@ -96,14 +90,6 @@ class SourceSpec:
     def option(self, name: str, default: Any = None) -> Any:
         return dict(self.options).get(name, default)
 
-    def open(self) -> Source:
-        """This process's source for the spec, opened once (a worker converting several shards)."""
-        return _open_source(self)
-
-    def open_fresh(self) -> Source:
-        """A new source: the planner reads the files as they are now, not as a cached index had them."""
-        return _open_source.__wrapped__(self)
-
     def describe(self) -> str:
         return self.location
 
@@ -113,19 +99,6 @@ class SourceSpec:
             return self
         kept = tuple((k, v) for k, v in self.options if k not in extra)
         return dataclasses.replace(self, options=kept + tuple(sorted(extra.items())))
-
-
-@functools.lru_cache(maxsize=4)
-def _open_source(spec: SourceSpec) -> Source:
-    """One source per spec and process (a worker converting several shards opens it once)."""
-    if spec.kind not in KINDS:
-        raise SourceError(f"{spec.kind!r}: no such kind of source (known: {', '.join(KINDS)})")
-    return importlib.import_module(KINDS[spec.kind]).open_source(spec)
-
-
-def open_source(spec: SourceSpec) -> Source:
-    """The local kind: a folder."""
-    return LocalSource(spec.location, spec.meta_dir)
 
 
 class Source(abc.ABC):
@@ -342,21 +315,3 @@ class Source(abc.ABC):
         """What the plan records of a shard it was made from."""
         size = sum(e.nbytes for e in self.header(file).values())
         return {"data_bytes": size, **self.shard_fingerprint([file])[file]}
-
-
-class LocalSource(Source):
-    """A checkpoint in a local folder (the index and metadata may live in a separate ``meta`` folder)."""
-
-    def __init__(self, src_dir: str | Path, meta_dir: str | Path | None = None):
-        super().__init__()
-        self.src_dir = Path(src_dir)
-        self.meta_dir = Path(meta_dir or src_dir)
-
-    def _index_dirs(self) -> list[Path]:
-        return [self.meta_dir, self.src_dir]
-
-    def local_path(self, file: str) -> Path:
-        return self.src_dir / file
-
-    def _fetch_raw_header(self, file: str) -> tuple[bytes, int]:
-        raise SourceError(f"{self.index_path}: names {file}, which is not in {self.src_dir}")

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from k3lab.pipeline.record import Record
+from k3lab.pipeline.writing.record import Record
 
 READ = 16 * 1024 * 1024
 GGUF_MAGIC = b"GGUF"

@@ -33,10 +33,10 @@ from typing import Any
 from k3lab.errors import K3LabError
 from k3lab.formats.files import InputFileError, parse_json
 from k3lab.formats.hashing import git_blob_hash
-from k3lab.pipeline import http
 from k3lab.pipeline.progress import NO_REPORT, TaskReport
-from k3lab.pipeline.record import FORMAT, ManifestError, Record, records_of_manifest
-from k3lab.pipeline.retry import RETRY_BUDGET, with_retries
+from k3lab.pipeline.sources import http
+from k3lab.pipeline.sources.retry import RETRY_BUDGET, with_retries
+from k3lab.pipeline.writing.record import FORMAT, ManifestError, Record, records_of_manifest
 
 MANIFEST_NAME = "MANIFEST.json"
 COMMIT_EVERY = 300.0  # seconds between two commits of a run (a killed run keeps what was committed)
@@ -347,7 +347,7 @@ def publish_folder(
     import hashlib
 
     from k3lab.formats.files import read_chunks
-    from k3lab.pipeline.folder import OutputFolder
+    from k3lab.pipeline.writing.folder import OutputFolder
 
     folder = OutputFolder(out_dir)
     plan = folder.require_plan(model)

@@ -21,7 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from k3lab.errors import K3LabError
-from k3lab.pipeline.folder import OutputFolder
+from k3lab.pipeline.writing.folder import OutputFolder
 
 CELL_TIMEOUT = 4 * 3600  # seconds one cell may take (a real shard converts in under a minute): never hang
 KERNEL_START_ERRORS = (

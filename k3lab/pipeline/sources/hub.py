@@ -45,17 +45,17 @@ from k3lab.errors import K3LabError
 from k3lab.formats.files import parse_json, read_bounded, read_chunks, write_atomically
 from k3lab.formats.hashing import git_blob_hash
 from k3lab.formats.safetensors import MAX_HEADER
-from k3lab.pipeline import http
 from k3lab.pipeline.progress import NO_REPORT, Cancelled, TaskReport
-from k3lab.pipeline.retry import (
+from k3lab.pipeline.sources import http
+from k3lab.pipeline.sources.base import META_LIMIT, Source, SourceError, SourceSpec
+from k3lab.pipeline.sources.retry import (
     RETRY_BUDGET,
     HubError,
     HubUnreachable,
     fold_hf_logging,
     with_retries,
 )
-from k3lab.pipeline.slots import Slot, sweep_scratch
-from k3lab.pipeline.sources import META_LIMIT, Source, SourceError, SourceSpec
+from k3lab.pipeline.sources.slots import Slot, sweep_scratch
 
 __all__ = ["HubError", "HubSource", "HubUnreachable", "RETRY_BUDGET", "hub_spec", "with_retries"]
 

@@ -22,12 +22,12 @@ import numpy as np
 
 from k3lab.formats.gguf_stream import KV, GGUFStream, split_kvs
 from k3lab.formats.safetensors import NUMPY_DTYPE, TensorEntry
-from k3lab.pipeline.folder import OutputFolder, header_sha256
-from k3lab.pipeline.plan import Plan, PlanError, PlannedTensor
+from k3lab.pipeline.planning.plan import Plan, PlanError, PlannedTensor
 from k3lab.pipeline.progress import NO_REPORT, TaskReport
-from k3lab.pipeline.proof import identity
-from k3lab.pipeline.record import Record
-from k3lab.pipeline.sources import Source
+from k3lab.pipeline.sources.base import Source
+from k3lab.pipeline.writing.folder import OutputFolder, header_sha256
+from k3lab.pipeline.writing.proof import identity
+from k3lab.pipeline.writing.record import Record
 
 READ_FIRST = 256 << 20  # bytes read ahead at a task's start: more than the disk reads while numba loads
 

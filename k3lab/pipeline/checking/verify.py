@@ -20,12 +20,13 @@ import gguf
 import numpy as np
 from tqdm import tqdm
 
-from k3lab.pipeline.folder import OutputFolder
 from k3lab.pipeline.model import Model
 from k3lab.pipeline.progress import TaskReport
-from k3lab.pipeline.proof import Problem, check_bytes
-from k3lab.pipeline.record import ManifestError, Record
-from k3lab.pipeline.sources import SourceSpec
+from k3lab.pipeline.sources import open_source
+from k3lab.pipeline.sources.base import SourceSpec
+from k3lab.pipeline.writing.folder import OutputFolder
+from k3lab.pipeline.writing.proof import Problem, check_bytes
+from k3lab.pipeline.writing.record import ManifestError, Record
 
 SUMMARY_LINES = 5  # a damaged set is told in at most this many lines
 SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = (
@@ -283,14 +284,14 @@ def _rederive(
     """Plan the source again and stream every planned tensor from it (a Hub source downloads each
     shard in turn, converts nothing, and deletes it); compare hashes, types and shapes. A file whose
     record was made from other inputs (another config, tokenizer or template) is reported stale."""
-    from k3lab.pipeline.convert import Reader, tensor_pieces
-    from k3lab.pipeline.planner import build_plan
+    from k3lab.pipeline.planning.planner import build_plan
+    from k3lab.pipeline.writing.convert import Reader, tensor_pieces
 
     if not records:
         return
     saved = OutputFolder(out_dir).load_plan(model)
     options = saved.inputs.get("options", {}) if saved is not None else {}
-    source = spec.open_fresh()
+    source = open_source(spec, fresh=True)
     source.fetch_meta()
     plan = build_plan(  # every source tensor checked against the config, as converting does
         model,
@@ -342,7 +343,7 @@ def _same_shard_elsewhere(plan: Any, pf: Any, rec: Record) -> bool:
     """Whether the record was made from this very shard read from another kind of source (a local
     copy records no Hub SHA-256): every fact both sides know agrees, and with the record's own shard
     facts the plan gives the record's digest."""
-    from k3lab.pipeline.plan import file_digest
+    from k3lab.pipeline.planning.plan import file_digest
 
     theirs = {k: v for k, v in rec.source.items() if k != "file"}
     if any(pf.shard[k] != v for k, v in theirs.items() if k in pf.shard):

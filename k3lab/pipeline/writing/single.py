@@ -13,12 +13,13 @@ from typing import Any
 
 from k3lab.errors import K3LabError
 from k3lab.formats.gguf_stream import KV, write_metadata_only
-from k3lab.pipeline.convert import Reader, write_tensors
-from k3lab.pipeline.folder import OutputFolder
 from k3lab.pipeline.model import Model, SingleFileModel
-from k3lab.pipeline.plan import PlanError, PlannedTensor
-from k3lab.pipeline.planner import plan_tensor
-from k3lab.pipeline.sources import Source, SourceSpec
+from k3lab.pipeline.planning.plan import PlanError, PlannedTensor
+from k3lab.pipeline.planning.planner import plan_tensor
+from k3lab.pipeline.sources import open_source
+from k3lab.pipeline.sources.base import Source, SourceSpec
+from k3lab.pipeline.writing.convert import Reader, write_tensors
+from k3lab.pipeline.writing.folder import OutputFolder
 
 
 def plan_single(model: Model, cfg: Any, source: Source) -> list[PlannedTensor]:
@@ -56,7 +57,7 @@ def convert_single(model: Model, spec: SourceSpec, out: str | Path) -> Path:
     out = Path(out)
     folder = OutputFolder(out.parent)
     folder.check_single_output(out)
-    source = spec.open_fresh()
+    source = open_source(spec, fresh=True)
     source.fetch_meta()
     cfg = model.load_config(spec.meta_dir)
     planned = plan_single(model, cfg, source)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from k3lab.pipeline.plan import Plan
+from k3lab.pipeline.planning.plan import Plan
 from k3lab.util import human_bytes
 
 

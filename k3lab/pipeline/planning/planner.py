@@ -17,9 +17,9 @@ from gguf import GGMLQuantizationType
 from k3lab.errors import K3LabError
 from k3lab.formats.gguf_stream import KV, TensorInfo
 from k3lab.formats.safetensors import TensorEntry
-from k3lab.pipeline.forecast import file_memory, vocab_memory
 from k3lab.pipeline.model import Model, Rule, TensorSpec
-from k3lab.pipeline.plan import (
+from k3lab.pipeline.planning.forecast import file_memory, vocab_memory
+from k3lab.pipeline.planning.plan import (
     FLOAT_DTYPES,
     OUTPUT_FORMAT,
     OUTTYPES,
@@ -32,7 +32,7 @@ from k3lab.pipeline.plan import (
     kvs_digest,
     output_filename,
 )
-from k3lab.pipeline.sources import meta_fingerprint
+from k3lab.pipeline.sources.base import meta_fingerprint
 from k3lab.pipeline.streams import TransformError
 
 

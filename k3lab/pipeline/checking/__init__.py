@@ -1,0 +1,1 @@
+"""Checking: a set against its manifest, its plan and (re-derived) its source (``verify``)."""
