@@ -338,9 +338,9 @@ def manifest_summary(out_dir: str | Path) -> list[dict[str, Any]]:
     saved plan has but the manifest does not are listed as not converted."""
     folder = OutputFolder(out_dir)
     rows = []
-    for rec in folder.read_manifest():
-        types = Counter(t["type"] for t in rec.tensors)
-        sources = sorted({src["file"] for t in rec.tensors for src in t["sources"]})
+    for rec in folder.read_manifest().records:
+        types = Counter(t.type for t in rec.tensors)
+        sources = sorted({src.file for t in rec.tensors for src in t.sources})
         on_disk = folder.output(rec.file).exists()
         rows.append(
             {

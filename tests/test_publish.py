@@ -98,8 +98,8 @@ def test_workers_that_share_nothing_publish_the_set(
         assert "k3lab convert --repo moonshotai/Kimi-K3" in card and hub.first in card
         assert "`kimi-k3.block_count`" in card
         manifest = json.loads(files["MANIFEST.json"])
-        made = {n: "git-" + git_blob_id(files[n]) for n in ("README.md", "TENSOR_MAP.md")}
-        assert manifest["published"] == {"repo": TARGET, "branch": "main", "made": made}
+        made_here = {n: "git-" + git_blob_id(files[n]) for n in ("README.md", "TENSOR_MAP.md")}
+        assert manifest["published"] == {"repo": TARGET, "branch": "main", "made": made_here}
         import hashlib
 
         for rec in manifest["files"]:
@@ -114,6 +114,7 @@ def test_workers_that_share_nothing_publish_the_set(
         assert local["published"] == {
             "repo": TARGET,
             "branch": "main",
+            "made": made_here,
             "commit": hub.repos[TARGET][1]["main"],
         }
         _no_token_on_disk(tmp_path, *worker_dirs)

@@ -105,7 +105,7 @@ def load_manifest(out_dir: Path, manifest: str | Path | None) -> list[Record]:
     folder = OutputFolder(out_dir)
     path = Path(manifest) if manifest else folder.manifest
     if path.exists() or manifest:
-        return folder.read_manifest(path)
+        return folder.read_manifest(path).records
     damaged = folder.damaged_records()
     if damaged:
         raise ManifestError(f"{folder.state / damaged[0]}: damaged or edited record (its digest differs)")
@@ -183,9 +183,9 @@ def verify(
         report.files += 1
         report.bytes += rec.size
         for t in rec.tensors:
-            if t["name"] in names and rec.is_text:
-                report.add("set", rec.file, f"{rec.file}: tensor {t['name']}: also in {names[t['name']]}")
-            names[t["name"]] = rec.file
+            if t.name in names and rec.is_text:
+                report.add("set", rec.file, f"{rec.file}: tensor {t.name}: also in {names[t.name]}")
+            names[t.name] = rec.file
         found = check_bytes(path, rec, bar.update)
         report.tensors += len(rec.tensors) if not found or found[0].kind not in WHOLE_FILE else 0
         if not rec.is_text or (found and found[0].kind == "junk"):
@@ -263,7 +263,7 @@ def _check_set(
             continue
         pf = plan.file(r.number)
         planned = {t.name: (t.info.type.name, list(t.info.ne)) for t in pf.tensors}
-        recorded = {t["name"]: (t["type"], t["ne"]) for t in r.tensors}
+        recorded = {t.name: (t.type, list(t.ne)) for t in r.tensors}
         if r.file != pf.filename:
             report.add("plan", r.file, f"{r.file}: the folder's plan names file {r.number} {pf.filename}")
         elif recorded != planned:
@@ -353,7 +353,7 @@ def _same_shard_elsewhere(plan: Any, pf: Any, rec: Record) -> bool:
 
 def _compare(rec: Record, pf: Any, reader: Any, report: Report, tensor_pieces: Callable) -> None:
     """Every planned tensor of one file re-derived and compared with its record."""
-    want = {t["name"]: t for t in rec.tensors}
+    want = {t.name: t for t in rec.tensors}
     for pt in pf.tensors:
         h = hashlib.sha256()
         for piece in tensor_pieces(pt, reader):
@@ -366,14 +366,14 @@ def _compare(rec: Record, pf: Any, reader: Any, report: Report, tensor_pieces: C
                 f"{rec.file}: tensor {pt.name}: planned from the source but not in the manifest",
             )
             continue
-        if (t["type"], t["ne"]) != (pt.info.type.name, list(pt.info.ne)):
+        if (t.type, list(t.ne)) != (pt.info.type.name, list(pt.info.ne)):
             report.add(
                 "rederive",
                 rec.file,
-                f"{rec.file}: tensor {pt.name}: recorded {t['type']} {t['ne']}, the source gives "
+                f"{rec.file}: tensor {pt.name}: recorded {t.type} {list(t.ne)}, the source gives "
                 f"{pt.info.type.name} {list(pt.info.ne)}",
             )
-        if h.hexdigest() != t["sha256"]:
+        if h.hexdigest() != t.sha256:
             report.add(
                 "rederive",
                 rec.file,

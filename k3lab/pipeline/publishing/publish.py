@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -31,16 +30,21 @@ from string import Template
 from typing import Any
 
 from k3lab.errors import K3LabError
-from k3lab.formats.files import InputFileError, parse_json
 from k3lab.formats.hashing import git_blob_hash
 from k3lab.pipeline.progress import NO_REPORT, TaskReport
 from k3lab.pipeline.sources import http
 from k3lab.pipeline.sources.retry import RETRY_BUDGET, with_retries
-from k3lab.pipeline.writing.record import FORMAT, ManifestError, Record, records_of_manifest
+from k3lab.pipeline.writing.record import (
+    MANIFEST_LIMIT,
+    MANIFEST_NAME,
+    ManifestError,
+    Published,
+    Record,
+    manifest_bytes,
+    read_manifest,
+)
 
-MANIFEST_NAME = "MANIFEST.json"
 COMMIT_EVERY = 300.0  # seconds between two commits of a run (a killed run keeps what was committed)
-MANIFEST_LIMIT = 512 << 20  # the real set's manifest is tens of MB
 
 
 class _NoEmptyCommitNote(logging.Filter):
@@ -147,22 +151,12 @@ def read_repo(target: PushTarget) -> RepoState:
             where, lambda: http.fetch_range(url, 0, size, size, target.token, where), target.retry_budget
         )
         try:
-            man = parse_json(raw, where)
-            recs = records_of_manifest(man, where)
-        except (InputFileError, ManifestError) as e:
+            man = read_manifest(raw, where)
+        except ManifestError as e:
             raise PublishError(f"{where}: not a k3lab manifest ({e})") from None
-        records = {r.file: r for r in recs}
-        made = _made(man.get("published"))
+        records = {r.file: r for r in man.records}
+        made = man.published.made if man.published is not None else {}
     return RepoState(info.sha, files, records, made)
-
-
-def _made(published: Any) -> dict[str, str]:
-    """The files besides the set that k3lab made in the repo (the card, the tensor map), by the oid
-    it gave them: one still there with that oid is k3lab's to replace; any other is the user's."""
-    made = published.get("made") if isinstance(published, dict) else None
-    if not isinstance(made, dict):
-        return {}
-    return {k: v for k, v in made.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def published(
@@ -229,12 +223,7 @@ class Committer:
 
     def manifest(self) -> bytes:
         recs = sorted(self.records.values(), key=lambda r: (not r.is_text, r.number, r.file))
-        body = {
-            "files": [r.to_json() for r in recs],
-            "format": FORMAT,
-            "published": {"repo": self.target.repo, "branch": self.target.branch, "made": self.made},
-        }
-        return json.dumps(body, indent=1, sort_keys=True).encode() + b"\n"
+        return manifest_bytes(recs, Published(self.target.repo, self.target.branch, self.made))
 
     def commit(self, extra: dict[str, bytes] | None = None, message: str = "") -> str | None:
         """One commit of what is pending (with the manifest, and ``extra`` files); None if nothing.
@@ -384,5 +373,5 @@ def publish_folder(
         )
         commit = committer.commit(extra, "k3lab: the whole set")
         target = publication.target
-        folder.merge({"repo": target.repo, "branch": target.branch, "commit": commit or state.commit})
+        folder.merge(Published(target.repo, target.branch, committer.made, commit or state.commit))
     return committer.uploaded, kept, commit

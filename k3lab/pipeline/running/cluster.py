@@ -48,7 +48,6 @@ def run_on_dask(
 
     from distributed import Client, Event, wait
 
-
     channel = channel_name(task.run_token)
     task = dataclasses.replace(task, channel=channel)
     try:

@@ -28,7 +28,7 @@ from k3lab.pipeline.sources import open_source
 from k3lab.pipeline.sources.base import SourceSpec
 from k3lab.pipeline.writing.convert import FileResult
 from k3lab.pipeline.writing.folder import OutputFolder, check_basename
-from k3lab.pipeline.writing.record import Record
+from k3lab.pipeline.writing.record import Published
 
 
 class ShardSpecError(K3LabError):
@@ -306,18 +306,15 @@ def _record_published(folder: OutputFolder, committer: Committer, result: FileRe
     and its upload committed with the next batch."""
     if result.record is None:
         return
-    record = Record.from_json(result.record, f"the result of output file {result.number}")
-    folder.write_record(record)
-    committer.add(result.upload, record)
+    folder.write_record(result.record)
+    committer.add(result.upload, result.record)
 
 
-def _final_commit(
-    committer: Committer, plan: Plan, publication: Publication, complete: bool
-) -> dict[str, str]:
+def _final_commit(committer: Committer, plan: Plan, publication: Publication, complete: bool) -> Published:
     """The last commit: what is pending and the manifest, and (the set complete) the extra files."""
     records = list(committer.records.values())
     whole = complete and {r.file for r in records if r.is_text} >= {pf.filename for pf in plan.files}
     extra = publication.extra_files(plan, records) if whole and publication.extra_files else None
     commit = committer.commit(extra, "k3lab: the whole set" if extra else "")
     target = publication.target
-    return {"repo": target.repo, "branch": target.branch, "commit": commit or committer.state.commit}
+    return Published(target.repo, target.branch, committer.made, commit or committer.state.commit)

@@ -128,7 +128,7 @@ def _publish_file(
     result.upload = upload(push, folder.output(filename), report)
     record.sha256 = result.upload.upload_info.sha256.hex()
     folder.write_record(record)
-    result.record = record.to_json()
+    result.record = record
     if not push.keep_local:
         folder.remove_output(filename)
 

@@ -4,8 +4,8 @@ For output file k of a plan: acquire its source shard, check the shard's header 
 plan was made from, write the GGUF header and tensor infos, then for each planned tensor let its
 transform's stream read the source in bounded pieces (``Reader``: mapped pages, no copy) and
 stream the output bytes to ``NAME.partial``, hashed and written on background threads; fsync,
-rename, record the hashes (``pipeline.record``, written by ``pipeline.folder``), release the shard. Memory is bounded by what the
-streams hold at once, which the plan forecasts per file.
+rename, record the hashes (``record``, written by ``folder``), release the shard. Memory is bounded
+by what the streams hold at once, which the plan forecasts per file.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from k3lab.pipeline.progress import NO_REPORT, TaskReport
 from k3lab.pipeline.sources.base import Source
 from k3lab.pipeline.writing.folder import OutputFolder, header_sha256
 from k3lab.pipeline.writing.proof import identity
-from k3lab.pipeline.writing.record import Record
+from k3lab.pipeline.writing.record import Record, SourceRef, TensorRecord
 
 READ_FIRST = 256 << 20  # bytes read ahead at a task's start: more than the disk reads while numba loads
 
@@ -87,7 +87,7 @@ def write_tensors(
     reader: Reader,
     source_files: dict[str, str],
     before_commit: Callable[[], None] | None = None,
-) -> tuple[list[dict[str, Any]], int]:
+) -> tuple[list[TensorRecord], int]:
     """Stream planned tensors into one GGUF file; returns their manifest entries and the data start.
     ``source_files`` names the file each source tensor came from (for the record); ``before_commit``
     may still refuse the finished file (its run stopped): it is then removed, never renamed."""
@@ -97,16 +97,16 @@ def write_tensors(
             offset = g.data_offset_next()
             sha = g.write(pt.name, tensor_pieces(pt, reader, g.buffer))
             records.append(
-                {
-                    "name": pt.name,
-                    "type": pt.info.type.name,
-                    "ne": list(pt.info.ne),
-                    "nbytes": pt.nbytes,
-                    "offset": offset,
-                    "sha256": sha,
-                    "transform": pt.transform,
-                    "sources": [{"name": n, "file": source_files[n]} for n in pt.sources],
-                }
+                TensorRecord(
+                    pt.name,
+                    pt.info.type.name,
+                    tuple(pt.info.ne),
+                    pt.nbytes,
+                    offset,
+                    sha,
+                    pt.transform,
+                    tuple(SourceRef(n, source_files[n]) for n in pt.sources),
+                )
             )
     return records, g.data_start
 
@@ -123,7 +123,7 @@ class FileResult:
     seconds: float
     nbytes: int
     worker: str = field(default_factory=worker_name)  # host:pid of the process that did it
-    record: dict[str, Any] | None = None  # published: the file's record (the client keeps it)
+    record: Record | None = None  # published: the file's record (the client keeps it)
     upload: Any = None  # published: the uploaded file's operation, for the client's commit
 
 

@@ -46,7 +46,6 @@ from k3lab.formats.files import (
     json_bytes,
     open_lock_file,
     read_bounded,
-    read_json,
     remove_regular,
     write_atomically,
 )
@@ -54,15 +53,23 @@ from k3lab.formats.gguf_stream import KV, kvs_from_json, kvs_to_json
 from k3lab.pipeline.model import Model
 from k3lab.pipeline.planning.plan import Plan, PlanError, file_digest, kvs_digest
 from k3lab.pipeline.writing.proof import identity, is_recorded_file
-from k3lab.pipeline.writing.record import FORMAT, ManifestError, Record, records_of_manifest
+from k3lab.pipeline.writing.record import (
+    MANIFEST_LIMIT,
+    MANIFEST_NAME,
+    Manifest,
+    ManifestError,
+    Published,
+    Record,
+    TensorRecord,
+    read_manifest,
+    write_manifest,
+)
 
 STATE_DIR = ".k3lab"
 LOCK_NAME, PLAN_NAME, KVS_NAME, SCRATCH_NAME = "lock", "plan.json", "kvs.json", "scratch"
-MANIFEST_NAME = "MANIFEST.json"
 STATE_MAGIC = "k3lab-state/1"
 MiB = 1024 * 1024
 STATE_LIMITS = {"plan": 512 * MiB, "kvs": 512 * MiB, "record": 256 * MiB}
-MANIFEST_LIMIT = 4096 * MiB
 SPLIT_NAME = re.compile(r".+-\d{5}-of-\d{5}\.gguf")
 _RECORD_NAME = re.compile(r"(\d{5}|[a-z][a-z0-9_-]{0,31})\.json")
 
@@ -314,7 +321,9 @@ class OutputFolder:
     def write_record(self, record: Record) -> Path:
         return self._write_state(record.state_name, "record", record.to_json(state=True))
 
-    def record_single(self, path: Path, kind: str, key: str, data_start: int, tensors: list[dict]) -> Path:
+    def record_single(
+        self, path: Path, kind: str, key: str, data_start: int, tensors: list[TensorRecord]
+    ) -> Path:
         """The record (``.k3lab/KEY.json``) of a file outside the split set (the mmproj: kind
         ``vision``; the standalone tokenizer: ``tokenizer``); then the merged manifest."""
         size = path.stat().st_size
@@ -379,35 +388,22 @@ class OutputFolder:
         """Names of record files that do not read as records (for verify to report)."""
         return [name for name, rec in self._each_record() if rec is None]
 
-    def merge(self, published: dict[str, str] | None = None) -> Path:
-        """Rebuild ``MANIFEST.json`` from the records, streaming: at real scale the records add up to
-        tens of MB, and one is in memory at a time. ``published``: the repo, branch and commit the
-        set was pushed to."""
-
-        def write(fh: BinaryIO) -> None:
-            if published:
-                fh.write(b'{\n "published": ' + json.dumps(published, sort_keys=True).encode() + b",")
-            else:
-                fh.write(b"{")
-            fh.write(b'\n "files": [')
-            sep = b"\n"
-            for _, rec in self._each_record():
-                if rec is not None:
-                    fh.write(sep + json.dumps(rec.to_json(), indent=1, sort_keys=True).encode())
-                    sep = b",\n"
-            fh.write(f'\n ],\n "format": {json.dumps(FORMAT)}\n}}\n'.encode())
-
-        self.write_atomically(self.manifest, write)
+    def merge(self, published: Published | None = None) -> Path:
+        """Rebuild ``MANIFEST.json`` from the records, streaming (one record in memory at a time).
+        ``published``: where the set was pushed, by this run (a later run's manifest says nothing of
+        it: its files may have changed since)."""
+        records = (rec for _, rec in self._each_record() if rec is not None)
+        self.write_atomically(self.manifest, lambda fh: write_manifest(fh, records, published))
         return self.manifest
 
-    def read_manifest(self, path: Path | None = None) -> list[Record]:
-        """The records of ``MANIFEST.json`` (or another manifest), every field checked."""
+    def read_manifest(self, path: Path | None = None) -> Manifest:
+        """``MANIFEST.json`` (or another manifest): its records, every field checked."""
         path = path or self.manifest
         try:
-            man = read_json(path, MANIFEST_LIMIT, "manifest")
+            data = read_bounded(path, MANIFEST_LIMIT, "manifest")
         except InputFileError as e:
             raise ManifestError(str(e)) from None
-        return records_of_manifest(man, str(path))
+        return read_manifest(data, str(path))
 
     # --- cleaning up -------------------------------------------------------------------------------
     def remove_output(self, name: str) -> None:

@@ -64,17 +64,17 @@ def check_bytes(path: Path, rec: Record, advance: Callable[[int], None] | None =
         problems: list[Problem] = []
         header = fh.read(rec.data_start)
         header_ok = hashlib.sha256(header).hexdigest() == rec.header_sha256
-        tensors = sorted(rec.tensors, key=lambda t: t["offset"])
+        tensors = sorted(rec.tensors, key=lambda t: t.offset)
         pos, bad = rec.data_start, []
         for t in [*tensors, None]:
-            end = t["offset"] if t else size
+            end = t.offset if t else size
             gap = fh.read(end - pos)
             if gap.strip(b"\0"):
-                where = f"before tensor {t['name']}" if t else "after the last tensor"
+                where = f"before tensor {t.name}" if t else "after the last tensor"
                 problems.append(Problem("padding", name, f"{name}: non-zero padding {where}"))
             if t is None:
                 break
-            h, left = hashlib.sha256(), t["nbytes"]
+            h, left = hashlib.sha256(), t.nbytes
             while left:
                 chunk = fh.read(min(READ, left))
                 if not chunk:
@@ -83,9 +83,9 @@ def check_bytes(path: Path, rec: Record, advance: Callable[[int], None] | None =
                 left -= len(chunk)
                 if advance is not None:
                     advance(len(chunk))
-            if h.hexdigest() != t["sha256"]:
-                bad.append(t["name"])
-            pos = t["offset"] + t["nbytes"]
+            if h.hexdigest() != t.sha256:
+                bad.append(t.name)
+            pos = t.end
     if bad and len(bad) == len(tensors) > 1:
         return [
             Problem(

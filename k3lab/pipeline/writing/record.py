@@ -1,31 +1,42 @@
-"""The record of one finished output file, and the merged manifest: one type, one parser, one serializer.
+"""The record of one finished output file, and the merged manifest: typed, one parser, one writer.
 
 A record says what a finished file holds, byte by byte: the SHA-256 of everything before the tensor
 data (header, metadata, tensor infos) and of every tensor's GGML bytes, where each lies, and which
 source tensors it was made from. It is the resume evidence (a file without a matching record is
-redone) and what ``verify`` checks a set against. ``MANIFEST.json`` is every record merged:
-``{"format": FORMAT, "files": [record, ...]}``, keys sorted.
+redone) and what ``verify`` checks a set against. ``MANIFEST.json`` is every record merged
+(``write_manifest``, read back by ``read_manifest``), the same document in an output folder and in a
+published repo.
 
 A record (``Record.to_json``):
   {"format": "k3lab-manifest/2", "kind": "text" | "vision" | "tokenizer", "file": NAME, "number": k,
    "size": bytes, "data_start": offset of the first tensor, "header_sha256": hex,
-   "tensors": [{"name", "type", "ne", "nbytes", "offset", "sha256", "transform",
-                "sources": [{"name", "file"}]}],
+   "tensors": [TensorRecord: {"name", "type", "ne", "nbytes", "offset", "sha256", "transform",
+                              "sources": [{"name", "file"}]}],
    text files also: "split_count", "split_tensors", "plan_digest", "basename", "outtype",
                     "source": {"file", "size", "data_bytes", "header_sha256" (, "sha256": the Hub's)};
-   single files also: "key" (the record's name in .k3lab/: "mmproj", "tokenizer")}
+   single files also: "key" (the record's name in .k3lab/: "mmproj", "tokenizer");
+   once published: "sha256" (the whole file's)}
   offset is absolute in the file; sha256 is over the tensor's canonical GGML bytes.
+
+The manifest: {"format": FORMAT, "files": [record, ...], "published": {"repo", "branch", "made",
+"commit"} (once published; "commit" only in a local copy: a repo cannot name its own commit)}, keys
+sorted.
 """
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
 from k3lab.errors import K3LabError
+from k3lab.formats.files import InputFileError, parse_json
 
 FORMAT = "k3lab-manifest/2"
+MANIFEST_NAME = "MANIFEST.json"
+MANIFEST_LIMIT = 512 << 20  # the real set's manifest is tens of MB
 
 
 class ManifestError(K3LabError):
@@ -36,8 +47,8 @@ class ManifestError(K3LabError):
 
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_IDENTITY = {"size", "mtime_ns", "ino", "dev"}
 _KEY = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+_IDENTITY = {"size", "mtime_ns", "ino", "dev"}
 
 
 def _int(v: Any) -> bool:
@@ -48,13 +59,89 @@ def _basename(v: Any) -> bool:
     return isinstance(v, str) and bool(v) and "/" not in v and "\0" not in v and v not in (".", "..")
 
 
+def _sha(v: Any) -> bool:
+    return isinstance(v, str) and bool(_HEX64.fullmatch(v))
+
+
+def _check(fields: dict[str, Any], data: dict[str, Any], where: str) -> None:
+    for key, ok in fields.items():
+        if not ok(data.get(key)):
+            shown = repr(data.get(key))[:40]
+            raise ManifestError(f"{where}: field {key!r} is missing or malformed ({shown})")
+
+
+@dataclass(frozen=True)
+class SourceRef:
+    """A source tensor an output tensor was made from, and the shard holding it."""
+
+    name: str
+    file: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"name": self.name, "file": self.file}
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One tensor of a finished file: where its bytes are and their SHA-256."""
+
+    name: str
+    type: str  # a GGML type's name (gguf-py's GGMLQuantizationType)
+    ne: tuple[int, ...]
+    nbytes: int
+    offset: int  # absolute in the file
+    sha256: str
+    transform: str = ""
+    sources: tuple[SourceRef, ...] = ()
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "type": self.type,
+            "ne": list(self.ne),
+            "nbytes": self.nbytes,
+            "offset": self.offset,
+            "sha256": self.sha256,
+            "transform": self.transform,
+            "sources": [s.to_json() for s in self.sources],
+        }
+
+    @classmethod
+    def from_json(cls, t: Any, where: str) -> TensorRecord:
+        if not isinstance(t, dict):
+            raise ManifestError(f"{where}: is not an object")
+        _check(_TENSOR_FIELDS, t, where)
+        sources = []
+        for s in t["sources"]:
+            if not (
+                isinstance(s, dict) and isinstance(s.get("name"), str) and isinstance(s.get("file"), str)
+            ):
+                raise ManifestError(f"{where}: field 'sources' is missing or malformed")
+            sources.append(SourceRef(s["name"], s["file"]))
+        transform = t.get("transform", "")
+        return cls(
+            t["name"],
+            t["type"],
+            tuple(t["ne"]),
+            t["nbytes"],
+            t["offset"],
+            t["sha256"],
+            transform if isinstance(transform, str) else "",
+            tuple(sources),
+        )
+
+
 _FIELDS: dict[str, Any] = {  # field -> check, for every record
     "kind": lambda v: v in ("text", "vision", "tokenizer"),
     "file": _basename,
     "number": lambda v: _int(v) and v >= 0,
     "size": lambda v: _int(v) and v >= 0,
     "data_start": lambda v: _int(v) and v >= 0,
-    "header_sha256": lambda v: isinstance(v, str) and bool(_HEX64.fullmatch(v)),
+    "header_sha256": _sha,
     "tensors": lambda v: isinstance(v, list),
 }
 _TEXT_FIELDS: dict[str, Any] = {
@@ -72,7 +159,7 @@ _TENSOR_FIELDS: dict[str, Any] = {
     "ne": lambda v: isinstance(v, list) and all(_int(d) and d >= 0 for d in v),
     "nbytes": lambda v: _int(v) and v >= 0,
     "offset": lambda v: _int(v) and v >= 0,
-    "sha256": lambda v: isinstance(v, str) and bool(_HEX64.fullmatch(v)),
+    "sha256": _sha,
     "sources": lambda v: isinstance(v, list),
 }
 
@@ -85,7 +172,7 @@ class Record:
     size: int
     data_start: int
     header_sha256: str
-    tensors: list[dict[str, Any]] = field(default_factory=list)
+    tensors: list[TensorRecord] = field(default_factory=list)
     # text files of a split set
     split_count: int = 0
     split_tensors: int = 0
@@ -120,7 +207,7 @@ class Record:
             "size": self.size,
             "data_start": self.data_start,
             "header_sha256": self.header_sha256,
-            "tensors": self.tensors,
+            "tensors": [t.to_json() for t in self.tensors],
         }
         if self.is_text:
             out |= {
@@ -146,13 +233,16 @@ class Record:
             raise ManifestError(f"{where}: not a {FORMAT} record")
         rec = {"kind": "text", **rec}
         fields = {**_FIELDS, **(_TEXT_FIELDS if rec["kind"] == "text" else _SINGLE_FIELDS)}
-        for key, ok in fields.items():
-            if not ok(rec.get(key)):
-                shown = repr(rec.get(key))[:40]
-                raise ManifestError(f"{where}: field {key!r} is missing or malformed ({shown})")
-        _check_tensors(rec, where)
+        _check(fields, rec, where)
+        tensors = [
+            TensorRecord.from_json(
+                t, f"{where} ({rec['file']}): tensor {t.get('name', j) if isinstance(t, dict) else j!r}"
+            )
+            for j, t in enumerate(rec["tensors"])
+        ]
+        _check_ranges(tensors, rec["data_start"], rec["size"], f"{where} ({rec['file']})")
         sha = rec.get("sha256", "")
-        if sha and not (isinstance(sha, str) and _HEX64.fullmatch(sha)):
+        if sha and not _sha(sha):
             raise ManifestError(f"{where}: field 'sha256' is malformed ({repr(sha)[:40]})")
         ident = rec.get("identity") or {}
         if not (
@@ -161,32 +251,101 @@ class Record:
             and all(_int(v) and v >= 0 for v in ident.values())
         ):
             raise ManifestError(f"{where}: field 'identity' is malformed")
-        return cls(**{k: rec[k] for k in fields}, sha256=sha, identity=ident)
+        kept = {k: rec[k] for k in fields if k != "tensors"}
+        return cls(**kept, tensors=tensors, sha256=sha, identity=ident)
 
 
-def _check_tensors(rec: dict[str, Any], where: str) -> None:
-    """Every tensor's fields, and their byte ranges: inside the data, in order, never overlapping."""
-    tensors = rec["tensors"]
-    for j, t in enumerate(tensors):
-        if not isinstance(t, dict):
-            raise ManifestError(f"{where}: tensors[{j}] is not an object")
-        for key, ok in _TENSOR_FIELDS.items():
-            if not ok(t.get(key)):
-                raise ManifestError(
-                    f"{where} ({rec['file']}): tensor {t.get('name', j)!r}: field {key!r} is missing or malformed"
-                )
-    end = rec["data_start"]
-    for t in sorted(tensors, key=lambda t: t["offset"]):
-        if t["offset"] < end or t["offset"] + t["nbytes"] > rec["size"]:
+def _check_ranges(tensors: list[TensorRecord], data_start: int, size: int, where: str) -> None:
+    """Every tensor's bytes inside the data, in order, never overlapping."""
+    end = data_start
+    for t in sorted(tensors, key=lambda t: t.offset):
+        if t.offset < end or t.end > size:
             raise ManifestError(
-                f"{where} ({rec['file']}): tensor {t['name']}: bytes [{t['offset']}, {t['offset'] + t['nbytes']}) "
-                f"overlap another tensor or lie outside the data of a {rec['size']}-byte file"
+                f"{where}: tensor {t.name}: bytes [{t.offset}, {t.end}) overlap another tensor or lie "
+                f"outside the data of a {size}-byte file"
             )
-        end = t["offset"] + t["nbytes"]
+        end = t.end
 
 
-def records_of_manifest(man: Any, where: str) -> list[Record]:
-    """The records of a merged manifest, every field checked; a malformed one is one ManifestError."""
+# --- the manifest: every record merged --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Published:
+    """Where a set was published: the repo, the branch, the files besides the set k3lab made there
+    (name -> git blob id: a file with another id is the user's), and the commit (a local manifest's:
+    a repo's own manifest cannot name the commit that holds it)."""
+
+    repo: str
+    branch: str
+    made: dict[str, str] = field(default_factory=dict)
+    commit: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "repo": self.repo,
+            "branch": self.branch,
+            "made": dict(sorted(self.made.items())),
+        }
+        if self.commit:
+            out["commit"] = self.commit
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any) -> Published | None:
+        if not isinstance(data, dict) or not isinstance(data.get("repo"), str):
+            return None
+        made = data.get("made") if isinstance(data.get("made"), dict) else {}
+        commit = data.get("commit")
+        return cls(
+            data["repo"],
+            str(data.get("branch", "main")),
+            {k: v for k, v in made.items() if isinstance(k, str) and isinstance(v, str)},
+            commit if isinstance(commit, str) else None,
+        )
+
+
+def write_manifest(fh: BinaryIO, records: Iterable[Record], published: Published | None = None) -> None:
+    """``MANIFEST.json``, streamed one record at a time (at real scale the records add up to tens of
+    MB), keys sorted: the one writer of a manifest, in an output folder and in a repo."""
+    fh.write(b'{\n "files": [')
+    sep = b"\n"
+    for rec in records:
+        fh.write(sep + json.dumps(rec.to_json(), indent=1, sort_keys=True).encode())
+        sep = b",\n"
+    fh.write(f'\n ],\n "format": {json.dumps(FORMAT)}'.encode())
+    if published is not None:
+        fh.write(b',\n "published": ' + json.dumps(published.to_json(), sort_keys=True).encode())
+    fh.write(b"\n}\n")
+
+
+def manifest_bytes(records: Iterable[Record], published: Published | None = None) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    write_manifest(buf, records, published)
+    return buf.getvalue()
+
+
+@dataclass
+class Manifest:
+    """A manifest as read: its records, and where it says it was published."""
+
+    records: list[Record]
+    published: Published | None = None
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(self.records)
+
+
+def read_manifest(data: bytes, where: str) -> Manifest:
+    """A manifest's bytes (from a file or a repo), depth bounded and every field checked: anything
+    else is one ``ManifestError`` naming ``where``."""
+    try:
+        man = parse_json(data, where)
+    except InputFileError as e:
+        raise ManifestError(str(e)) from None
     if not isinstance(man, dict) or not isinstance(man.get("files"), list):
         raise ManifestError(f"{where}: not a k3lab manifest (no list of files)")
-    return [Record.from_json(rec, f"{where}: files[{i}]") for i, rec in enumerate(man["files"])]
+    records = [Record.from_json(rec, f"{where}: files[{i}]") for i, rec in enumerate(man["files"])]
+    return Manifest(records, Published.from_json(man.get("published")))
