@@ -15,6 +15,9 @@ straightforward implementation), because these machines are shared and noisy. Ro
               reuses a synthesised full checkpoint.
   notebooks   on `synth --preset full`: notebook 01's shard picker (slowest change), notebook 02 run
               headless by papermill (wall time, peak RSS)
+  startup     `k3lab --help` and `k3lab verify` of the tiny set (whole commands, best of 7), at this
+              checkout and at K3LAB_BASELINE (a git ref, default the commit before "one way in"): what
+              a command imports before it does anything
   tokenizer   GGUF vocabulary of the real size (163,840 ids) vs the straightforward per-token BPE
               reconstruction (as upstream does it) on the same vocabulary; the merges must agree
 """
@@ -502,6 +505,63 @@ def bench_tokenizer() -> list[tuple[str, str, str]]:
             f"straightforward {t_ref:.2f} s",
         ),
     ]
+
+
+@row
+def bench_startup() -> list[tuple[str, str, str]]:
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parent.parent
+    base = os.environ.get("K3LAB_BASELINE", "3155acd")
+    with tempfile.TemporaryDirectory(prefix="k3lab-bench-") as tmp:
+        tmp_path = Path(tmp)
+        subprocess.run(
+            ["git", "-C", str(root), "worktree", "add", "-q", "--detach", str(tmp_path / "base"), base],
+            check=True,
+        )
+        try:
+            src, out = tmp_path / "src", tmp_path / "out"
+            subprocess.run(
+                [sys.executable, "-m", "k3lab.cli", "synth", "--out", str(src)],
+                check=True,
+                capture_output=True,
+            )
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "k3lab.cli",
+                    "convert",
+                    "--meta",
+                    str(src),
+                    "--out-dir",
+                    str(out),
+                    "--quiet",
+                ],
+                check=True,
+                capture_output=True,
+            )
+
+            def timed(tree: Path, *args: str) -> float:
+                env = {**os.environ, "PYTHONPATH": str(tree)}
+                cmd = [sys.executable, "-m", "k3lab.cli", *args]
+                return best_of(lambda: subprocess.run(cmd, env=env, capture_output=True, check=False), 7)
+
+            rows = []
+            for label, args in (
+                ("k3lab --help", ("--help",)),
+                ("k3lab verify (tiny set)", ("verify", str(out), "--quiet")),
+            ):
+                now, before = timed(root, *args), timed(tmp_path / "base", *args)
+                rows.append(
+                    (f"startup: {label}", f"{now:.2f} s", f"{before:.2f} s at {base} ({before / now:.2f}x)")
+                )
+            return rows
+        finally:
+            subprocess.run(
+                ["git", "-C", str(root), "worktree", "remove", "--force", str(tmp_path / "base")], check=False
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,20 +1,49 @@
-"""What a published repo holds besides the set: the model card (``kimi_k3/card.md`` filled in from
-the plan, the records and the command) and ``TENSOR_MAP.md``. The front makes them; the pipeline
-commits them with the set's last files."""
+"""What a published repo holds besides the set: the model card and ``TENSOR_MAP.md``, assembled here
+and only here, for any model: its ``Front`` gives the template and the base model, this module the
+fields (every one derived from the plan, the records and the target, never from the maker's
+machine), and the pipeline commits the bytes with the set's last files.
+
+The card of a set is a function of the set: ``convert --push-to`` and ``publish`` of the same set
+write the same card. "How it was made" is the conversion as the plan records it (source repo and
+commit, or a local copy's fingerprint; the options that decide the bytes), with placeholders for
+the maker's paths.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shlex
-import sys
-from importlib import resources
+from string import Template
 from typing import Any
 
 from k3lab import __version__
-from k3lab.pipeline.publishing.publish import COMMIT_EVERY, Publication, PushTarget, files_table, render_card
-from k3lab.pipeline.writing.record import Record
-from k3lab.util import human_bytes
+from k3lab.errors import K3LabError
+from k3lab.pipeline.model import Model
+from k3lab.pipeline.publishing.publish import COMMIT_EVERY, Publication, PushTarget
+from k3lab.pipeline.writing.record import MANIFEST_NAME, Record
 
+CARD_NAME, TENSOR_MAP_NAME = "README.md", "TENSOR_MAP.md"
 SCALAR_TYPES = (str, int, float, bool)
+UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
+
+
+def size_unit(largest: int) -> tuple[str, int]:
+    """The one unit a table of sizes is shown in: the largest that keeps its largest size >= 1."""
+    return next(((u, n) for u, n in UNITS if largest >= n), UNITS[-1])
+
+
+def in_unit(n: int, unit: tuple[str, int]) -> str:
+    name, size = unit
+    return f"{n:,} B" if size == 1 else f"{n / size:,.2f} {name}"
+
+
+def files_table(records: list[Record]) -> str:
+    unit = size_unit(max((r.size for r in records), default=0))
+    rows = [f"| file | size ({unit[0]}) | tensors | SHA-256 |", "| --- | ---: | ---: | --- |"]
+    for r in sorted(records, key=lambda r: (not r.is_text, r.number, r.file)):
+        rows.append(f"| `{r.file}` | {in_unit(r.size, unit).split()[0]} | {len(r.tensors)} | `{r.sha256}` |")
+    return "\n".join(rows)
 
 
 def metadata_table(kvs: list[Any]) -> str:
@@ -33,74 +62,163 @@ def metadata_table(kvs: list[Any]) -> str:
     return "\n".join(rows)
 
 
-DEFAULT_BASE_MODEL = "moonshotai/Kimi-K3"
-
-
-def source_license(repo: str | None, endpoint: str | None, token: str | None) -> str:
-    """The source repo's license as its card says (``other`` when it says none or cannot be read)."""
-    if not repo:
-        return "other"
+def source_license(repo: str, endpoint: str | None, token: str | None) -> dict[str, str]:
+    """The source repo's license as its card's front matter gives it: ``license`` and, for
+    ``other``, ``license_name`` and ``license_link``; ``unknown`` when it says none or cannot be read."""
     try:
         from huggingface_hub import HfApi
 
+        from k3lab.pipeline.sources import http
+
+        http.install()
         card = HfApi(endpoint=endpoint, token=token).model_info(repo).card_data
-        found = getattr(card, "license", None) if card is not None else None
     except Exception:  # the card is a courtesy: any failure reading it means "not said"
-        return "other"
-    return str(found) if found else "other"
+        return {"license": "unknown"}
+    data = card.to_dict() if card is not None else {}
+    found = {k: str(data[k]) for k in ("license", "license_name", "license_link") if data.get(k)}
+    return found if "license" in found else {"license": "unknown"}
 
 
-def extra_files(out_dir: str, source: str, repo: str, license: str = "other") -> Any:
-    """The ``Publication.extra_files`` of a run: (plan, records) -> the card and the tensor map.
-    ``source``: the source repo (a local copy: the model's own repo)."""
+def _front_matter(model: Model, license: dict[str, str], has_mmproj: bool) -> str:
+    base = model.front.base_model if model.front else ""
+    lines = ["---"]
+    if base:
+        lines += [f"base_model: {base}", "base_model_relation: quantized"]
+    lines += [f"{k}: {json.dumps(v)}" for k, v in license.items()]
+    lines += [
+        "library_name: gguf",
+        f"pipeline_tag: {'image-text-to-text' if has_mmproj else 'text-generation'}",
+        "tags:",
+        "- gguf",
+        f"- {model.name}",
+        "- llama.cpp",
+        "- k3lab",
+        "---",
+    ]
+    return "\n".join(lines)
 
-    def make(plan: Any, records: list[Record]) -> dict[str, bytes]:
-        from k3lab.pipeline.writing.folder import OutputFolder
-        from k3lab.tensor_map import tensor_map_markdown
 
-        text = sorted((r for r in records if r.is_text), key=lambda r: r.number)
-        others = [r for r in records if not r.is_text]
-        fields = {
-            "base_model": source,
-            "license": license,
-            "basename": plan.basename,
-            "label": plan.label,
-            "version": __version__,
-            "n_files": len(text),
-            "total_size": human_bytes(sum(r.size for r in text)),
-            "n_tensors": plan.n_tensors,
-            "extra_note": f", and {', '.join(f'`{r.file}`' for r in others)}" if others else "",
-            "files_table": files_table(records),
-            "command": "k3lab " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "k3lab convert",
-            "source": source,
-            "source_commit": (plan.inputs.get("pinned") or {}).get("commit", "(a local copy)"),
-            "repo": repo,
-            "first_file": text[0].file if text else "",
-            "metadata_table": metadata_table(OutputFolder(out_dir).load_kvs(plan)),
-        }
-        template = resources.files("k3lab.kimi_k3").joinpath("card.md").read_text()
-        return {
-            "README.md": render_card(template, fields).encode(),
-            "TENSOR_MAP.md": tensor_map_markdown().encode(),
-        }
+def conversion_command(plan: Any) -> str:
+    """The conversion as the plan records it: what decides the bytes, the maker's paths as placeholders."""
+    pinned = plan.inputs.get("pinned") or {}
+    options = plan.inputs.get("options") or {}
+    cmd = ["k3lab", "convert"]
+    if plan.model.front is None or plan.model.module != "k3lab.kimi_k3.model":
+        cmd += ["--model", plan.model.module]
+    if pinned.get("repo"):
+        cmd += ["--repo", pinned["repo"], "--revision", pinned["commit"], "--meta", "META"]
+    else:
+        cmd += ["--meta", "META", "--src", "SOURCE"]
+    cmd += ["--out-dir", "OUT"]
+    if options.get("outtype", "auto") != "auto":
+        cmd += ["--outtype", options["outtype"]]
+    if options.get("basename") not in (None, plan.model.default_basename):
+        cmd += ["--name", options["basename"]]
+    if options.get("chat_template"):
+        cmd += ["--chat-template", "TEMPLATE.jinja"]
+    return shlex.join(cmd)
 
-    return make
+
+def provenance(plan: Any) -> str:
+    """Where the set's source was: a repo at a commit, or a local copy by its fingerprint."""
+    pinned = plan.inputs.get("pinned") or {}
+    if pinned.get("repo"):
+        return f"`{pinned['repo']}` at commit `{pinned['commit']}`"
+    shards = json.dumps(plan.inputs.get("shards") or {}, sort_keys=True).encode()
+    return (
+        "a local copy (not read from the Hub; its shards' fingerprint, SHA-256 of their sizes and header "
+        f"hashes: `{hashlib.sha256(shards).hexdigest()[:16]}`)"
+    )
+
+
+def card_fields(
+    model: Model, plan: Any, records: list[Record], kvs: list[Any], repo: str, license: dict[str, str]
+) -> dict[str, Any]:
+    text = sorted((r for r in records if r.is_text), key=lambda r: r.number)
+    others = sorted((r for r in records if not r.is_text), key=lambda r: r.file)
+    mmproj = next((r.file for r in others if r.kind == "vision"), "")
+    tokenizer = next((r.file for r in others if r.kind == "tokenizer"), "")
+    total = sum(r.size for r in text)
+    pattern = f"{plan.basename}-{plan.label}-*-of-*.gguf"
+    local = f"{plan.basename}-GGUF"
+
+    def download(*patterns: str) -> str:
+        return (
+            f"hf download {repo} " + " ".join(f'--include "{p}"' for p in patterns) + f" --local-dir {local}"
+        )
+
+    text_only = download(pattern)
+    with_mmproj = download(pattern, mmproj) if mmproj else ""
+    to_verify = download(pattern, MANIFEST_NAME, *(r.file for r in others))
+    return {
+        "front_matter": _front_matter(model, license, bool(mmproj)),
+        "basename": plan.basename,
+        "label": plan.label,
+        "version": __version__,
+        "base_model": model.front.base_model if model.front else "",
+        "n_files": len(text),
+        "total_size": in_unit(total, size_unit(total)),
+        "n_tensors": plan.n_tensors,
+        "extra_note": f", and {', '.join(f'`{r.file}`' for r in others)}" if others else "",
+        "files_table": files_table(records),
+        "command": conversion_command(plan),
+        "provenance": provenance(plan),
+        "repo": repo,
+        "local": local,
+        "pattern": pattern,
+        "first_file": text[0].file if text else "",
+        "mmproj": mmproj,
+        "tokenizer": tokenizer,
+        "download_text": text_only,
+        "download_mmproj": with_mmproj,
+        "download_verify": to_verify,
+        "chat_template": "embedded" if (plan.inputs.get("options") or {}).get("chat_template") else "none",
+        "metadata_table": metadata_table(kvs),
+    }
+
+
+def render_card(template: str, fields: dict[str, Any]) -> str:
+    """``template`` with ``$name`` fields filled in; a field the template names and the run does not
+    give is an error, never a blank."""
+    try:
+        return Template(template).substitute({k: str(v) for k, v in fields.items()})
+    except (KeyError, ValueError) as e:
+        raise K3LabError(f"model card template: no value for ${e.args[0]}") from None
+
+
+def card_files(
+    model: Model, plan: Any, records: list[Record], kvs: list[Any], repo: str, license: dict[str, str]
+) -> dict[str, bytes]:
+    """The card and the tensor map of a published set."""
+    from k3lab.tensor_map import tensor_map_markdown
+
+    if model.front is None:
+        raise K3LabError(f"{model.name}: the model brings no card (its Front)")
+    fields = card_fields(model, plan, records, kvs, repo, license)
+    return {
+        CARD_NAME: render_card(model.front.card_template(), fields).encode(),
+        TENSOR_MAP_NAME: tensor_map_markdown(model).encode(),
+    }
 
 
 def publication(
-    target: PushTarget,
-    out_dir: str,
-    source_repo: str | None,
-    commit_every: float | None = None,
-    force: bool = False,
+    model: Model, target: PushTarget, commit_every: float | None = None, force: bool = False
 ) -> Publication:
-    """A run that publishes to ``target``: its card names ``source_repo`` (a local copy: the model's
-    own repo) and that repo's license, read from the Hub."""
-    license = source_license(source_repo, target.endpoint, target.token)
+    """A run that publishes to ``target``: its card, with the license of the model's base repo."""
+    license: dict[str, str] | None = None
+
+    def extra(plan: Any, records: list[Record], kvs: list[Any]) -> dict[str, bytes]:
+        nonlocal license
+        if license is None:
+            pinned = plan.inputs.get("pinned") or {}
+            base = pinned.get("repo") or (model.front.base_model if model.front else "")
+            license = source_license(base, target.endpoint, target.token) if base else {"license": "unknown"}
+        return card_files(model, plan, records, kvs, target.repo, license)
+
     return Publication(
         target,
-        extra_files(out_dir, source_repo or DEFAULT_BASE_MODEL, target.repo, license),
+        extra,
         COMMIT_EVERY if commit_every is None else commit_every,
         force,
-        ("README.md", "TENSOR_MAP.md"),
+        (CARD_NAME, TENSOR_MAP_NAME),
     )

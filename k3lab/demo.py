@@ -10,13 +10,11 @@ from __future__ import annotations
 import importlib.util
 import time
 from pathlib import Path
+from typing import Any
 
-from k3lab.kimi_k3.model import MODEL
-from k3lab.pipeline.checking.verify import verify
-from k3lab.pipeline.running.runner import convert_shards
-from k3lab.pipeline.sources.base import SourceSpec
-from k3lab.pipeline.writing.single import convert_single, convert_tokenizer
-from k3lab.synth import synthesize
+from k3lab import request
+from k3lab.errors import K3LabError
+from k3lab.request import Request
 from k3lab.synth.report import describe
 from k3lab.util import human_bytes
 
@@ -34,7 +32,7 @@ def _generate(first_file: Path, n: int = 12) -> str:
     return f"{prompt} -> {out}  ({llm.detokenize(out)!r})"
 
 
-def run_demo(workdir: str | Path, seed: int = 0, jobs: int = 2) -> int:
+def run_demo(workdir: str | Path, seed: int = 0, jobs: int = 2, model: str = "kimi-k3") -> int:
     workdir = Path(workdir)
     src, out = workdir / "src", workdir / "out"
     t0 = time.perf_counter()
@@ -44,42 +42,47 @@ def run_demo(workdir: str | Path, seed: int = 0, jobs: int = 2) -> int:
         steps.append((label, time.perf_counter() - t, note))
         print(f"[{time.perf_counter() - t0:5.1f} s] {label}: {note}")
 
+    req = Request(meta=str(src), out_dir=str(out), jobs=jobs, model=model)
+    the_model = req.load_model()
+    if the_model.front is None:
+        raise K3LabError(f"--model {model}: brings no demo checkpoint (its Front)")
     t = time.perf_counter()
-    result = synthesize("tiny", src, seed=seed)
-    print(describe(result))
-    step("synthesise", t, f"{result.n_shards} shards, {result.n_tensors} tensors in {src}")
+    made = the_model.front.demo(src, seed)
+    if hasattr(made, "n_shards"):
+        print(describe(made))
+    step("synthesise", t, f"a synthetic {the_model.default_basename} checkpoint in {src}")
 
     t = time.perf_counter()
-    files = convert_shards(MODEL, SourceSpec.local(src), out, jobs=jobs)
+    files = request.convert(req, say=lambda line: print(f"  {line}"))
     written = sum(not f.skipped for f in files)
     step(
         "convert",
         t,
         f"{len(files)} GGUF split files ({written} written, {len(files) - written} already complete)",
     )
+    if the_model.tokenizer_kvs is not None:
+        t = time.perf_counter()
+        tok = request.tokenizer(req, str(out / f"{the_model.default_basename}-tokenizer.gguf"))
+        step("tokenizer", t, f"{tok.name} ({human_bytes(tok.stat().st_size)})")
+    if the_model.single is not None:
+        t = time.perf_counter()
+        mmproj = request.vision(req, str(out / f"mmproj-{the_model.default_basename}-BF16.gguf"))
+        step("vision", t, f"{mmproj.name} ({human_bytes(mmproj.stat().st_size)})")
 
     t = time.perf_counter()
-    tok = convert_tokenizer(MODEL, src, out / "Kimi-K3-tokenizer.gguf")
-    step("tokenizer", t, f"{tok.name} ({human_bytes(tok.stat().st_size)})")
-
-    t = time.perf_counter()
-    mmproj = convert_single(MODEL, SourceSpec.local(src), out / "mmproj-Kimi-K3-BF16.gguf")
-    step("vision", t, f"{mmproj.name} ({human_bytes(mmproj.stat().st_size)})")
-
-    t = time.perf_counter()
-    report = verify(out, model=MODEL)
+    report, _ = request.verify(req)
     step(
         "verify",
         t,
         ("OK" if report.ok else "FAILED") + f": {report.files} files, {report.tensors} tensors, "
         f"every byte against MANIFEST.json",
     )
-    for line in report.problems:
+    for line in report.lines():
         print("  ", line)
 
+    first = sorted(out.glob("*-00001-of-*.gguf"))[0]
     if importlib.util.find_spec("llama_cpp") is not None:
         t = time.perf_counter()
-        first = sorted(out.glob("Kimi-K3-*-00001-of-*.gguf"))[0]
         step("llama.cpp", t, "generated " + _generate(first))
     else:
         print("llama.cpp: llama-cpp-python not installed, generation skipped (`make test` installs it)")
@@ -88,6 +91,11 @@ def run_demo(workdir: str | Path, seed: int = 0, jobs: int = 2) -> int:
     for label, seconds, note in steps:
         print(f"{label:<12} {seconds:>8.2f}  {note[:90]}")
     print(f"\ndemo finished in {time.perf_counter() - t0:.1f} s; everything is in {workdir}/")
-    print(f"  next: k3lab check-logits --meta {src} --gguf {sorted(out.glob('*-00001-of-*.gguf'))[0]}")
+    print(f"  next: k3lab check-logits --meta {src} --gguf {first}")
     print("        make lab   (or: k3lab lab; the notebooks read this demo's files)")
     return 0 if report.ok else 1
+
+
+def demo_command(req: Any, args: Any) -> int:
+    """`k3lab demo`."""
+    return run_demo(args.workdir, seed=args.seed, jobs=args.jobs, model=req.model)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from k3lab.explore import HOME_ENV, home
+from k3lab.explore.paths import HOME_ENV, home
 
 TRACKED = "notebooks/"
 KEEP_CELL_METADATA = ("tags",)
@@ -67,3 +67,8 @@ def run_lab(extra: Sequence[str] = ()) -> int:
     cmd, env = lab_command(extra)
     print(f"k3lab lab: JupyterLab at {env[HOME_ENV]}, notebooks/ saved without outputs", flush=True)
     return subprocess.call(cmd, env=env)
+
+
+def lab_cli(req: Any, args: Any) -> int:
+    """`k3lab lab [JUPYTER ARGS...]`."""
+    return run_lab(args.jupyter_args)

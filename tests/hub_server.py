@@ -217,6 +217,22 @@ class HubServer:
         if not head:
             h.wfile.write(body)
 
+    def _tree(self, h: BaseHTTPRequestHandler, repo: str, rev: str, under: str) -> None:
+        """The repo's files at a revision, as ``list_repo_tree(recursive=True)`` reads them (what
+        ``hf download`` and ``snapshot_download`` list before they fetch)."""
+        commit = self._resolve(h, repo, rev)
+        if commit is None:
+            return
+        entries = []
+        for path, data in sorted(self.repos[repo][0][commit].items()):
+            if under and not path.startswith(under.rstrip("/") + "/"):
+                continue
+            e = {"type": "file", "path": path, "size": len(data), "oid": git_blob_id(data)}
+            if path.endswith(LFS_SUFFIXES):
+                e["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+            entries.append(e)
+        self._json(h, entries)
+
     def handle(self, h: BaseHTTPRequestHandler, head: bool) -> None:
         rng = h.headers.get("Range", "")
         with self.lock:
@@ -226,6 +242,9 @@ class HubServer:
         if time.monotonic() < self._down_until:
             return self._drop(h)
         path = urllib.parse.unquote(h.path.split("?")[0])
+        tree = re.fullmatch(r"/api/models/(?P<repo>[^/]+/[^/]+)/tree/(?P<rev>[^/]+)(?:/(?P<path>.*))?", path)
+        if tree:
+            return self._tree(h, tree["repo"], tree["rev"], tree["path"] or "")
         api = re.fullmatch(r"/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>.+))?", path)
         if api:
             return self._info(h, head, api["repo"], api["rev"] or "main")

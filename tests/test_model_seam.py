@@ -36,11 +36,14 @@ def _imports(path: Path) -> set[str]:
 def test_the_pipeline_and_formats_import_no_model(layer: str) -> None:
     """Every import, at the top or inside a function: none of the model, the front or synth."""
     banned = ("k3lab.kimi_k3", "k3lab.synth", "k3lab.cli", "k3lab.explore", "k3lab.demo", "k3lab.plots")
-    for path in sorted((PACKAGE / layer).glob("*.py")):
+    banned += ("k3lab.request", "k3lab.card", "k3lab.tensor_map", "k3lab.values")
+    paths = sorted((PACKAGE / layer).rglob("*.py"))
+    assert len(paths) > 5
+    for path in paths:
         bad = sorted(m for m in _imports(path) if m.startswith(banned))
         assert not bad, f"{path.relative_to(PACKAGE.parent)} imports {bad}"
     if layer == "formats":  # and formats knows no pipeline either
-        for path in sorted((PACKAGE / "formats").glob("*.py")):
+        for path in sorted((PACKAGE / "formats").rglob("*.py")):
             assert not [m for m in _imports(path) if m.startswith("k3lab.pipeline")], path
 
 
@@ -122,32 +125,41 @@ def test_a_toy_plan_is_never_taken_for_a_kimi_plan(tmp_path: Path) -> None:
 
 
 def _readme_layout() -> dict[str, set[str]]:
-    """The README's layout block: folder (``""`` for the package itself) -> the files it names."""
+    """The README's layout block: folder (``""`` for the package itself, ``pipeline/sources`` ...) ->
+    the files it names. Indentation gives the nesting: a name ending in ``/`` opens a folder."""
     text = (PACKAGE.parent / "README.md").read_text()
     block = text[text.index("```\nk3lab/\n") + 4 :]
     block = block[: block.index("```")]
     named: dict[str, set[str]] = {}
-    folder = ""
+    folders: list[tuple[int, str]] = []  # (indent, name) of the folders open at this line
     for line in block.splitlines()[1:]:
-        indent = len(line) - len(line.lstrip())
-        head = line.split()[0] if line.strip() else ""
-        if indent == 2 and head.endswith("/"):
-            folder = head.rstrip("/")
+        if not line.strip():
             continue
-        if indent == 2:
-            folder = ""
-        if indent in (2, 4):  # (deeper lines continue a description)
-            first = re.split(r"\s{2,}", line.strip())[0]  # the names, before the description
-            names = re.findall(r"\b[a-z_0-9]+\.(?:py|md)\b", first)
-            named.setdefault(folder, set()).update(names)
+        indent = len(line) - len(line.lstrip())
+        first = re.split(r"\s{2,}", line.strip())[0]  # the names, before the description
+        while folders and folders[-1][0] >= indent:
+            folders.pop()
+        if folders and indent > folders[-1][0] + 2:
+            continue  # (a description's continuation)
+        if not folders and indent > 2:
+            continue
+        if first.endswith("/") and " " not in first:
+            folders.append((indent, first.rstrip("/")))
+            continue
+        where = "/".join(name for _, name in folders)
+        named.setdefault(where, set()).update(re.findall(r"\b[a-z_0-9]+\.(?:py|md)\b", first))
     return named
 
 
 def test_the_readme_layout_matches_the_tree() -> None:
-    """Every public module of the package, formats, pipeline and kimi_k3 is named where it lives in the
-    README's layout section, and every file named there exists."""
+    """Every public module of the package and its folders is named where it lives in the README's
+    layout section, and every file named there exists."""
     named = _readme_layout()
-    for folder in ("", "formats", "pipeline", "kimi_k3"):
+    folders = [""] + sorted(
+        str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*") if p.is_dir() and (p / "__init__.py").exists()
+    )
+    folders = [f for f in folders if not f.startswith("synth")]
+    for folder in folders:
         here = {
             p.name
             for p in (PACKAGE / folder).iterdir()
@@ -157,3 +169,102 @@ def test_the_readme_layout_matches_the_tree() -> None:
             f"README layout, k3lab/{folder}: not named {sorted(here - named.get(folder, set()))}, "
             f"named but missing {sorted(named.get(folder, set()) - here)}"
         )
+        assert (PACKAGE / folder / "__init__.py").read_text().strip().startswith('"""'), (
+            folder
+        )  # says its job
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Every k3lab module -> the k3lab modules it imports, at the top or inside a function
+    (``from pkg import name`` counts as importing ``pkg.name`` when that is a module)."""
+    modules = {
+        ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in PACKAGE.rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {
+                    f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules
+                }
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def test_no_import_cycles_not_even_inside_functions() -> None:
+    graph = _module_imports()
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1 and not m.startswith(n + "."):  # (a package's own __init__ is no cycle)
+                cycle = path[path.index(n) :] + [n]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_one_owner_of_each_name_on_disk() -> None:
+    """The manifest's name, the partial suffix, the scratch and worker folders: each spelled in one module."""
+    owners = {
+        '"MANIFEST.json"': "k3lab/pipeline/writing/record.py",
+        '.partial"': "k3lab/formats/files.py",
+        '/ "scratch"': None,  # (SCRATCH_NAME in writing/folder.py is the one default)
+        "SCRATCH_NAME = ": "k3lab/pipeline/writing/folder.py",
+        '"k3lab-dl-"': "k3lab/pipeline/sources/slots.py",
+        '"k3lab-state/1"': "k3lab/pipeline/writing/folder.py",
+        'f"out-{': "k3lab/pipeline/writing/folder.py",
+    }
+    for spelling, owner in owners.items():
+        found = sorted(
+            str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py") if spelling in p.read_text()
+        )
+        assert found == ([owner] if owner else []), (spelling, found)
+
+
+def test_declared_dependencies_are_the_imported_ones() -> None:
+    """pyproject's dependencies name exactly the third-party packages k3lab imports (tests and the
+    optional llama.cpp binding aside)."""
+    import sys
+
+    import tomllib
+
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[<>=\[ ]", d)[0].lower().replace("-", "_") for d in project["dependencies"]}
+    imported: set[str] = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                imported.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+    third = {m for m in imported if m not in sys.stdlib_module_names and m != "k3lab"}
+    dists = {"distributed": "dask", "llama_cpp": "llama_cpp_python"}
+    used = {dists.get(m, m).lower() for m in third} - {"llama_cpp_python"}  # (the optional binding)
+    # what the notebooks and `k3lab lab` run on, never imported by k3lab itself
+    runtimes = {"ipykernel", "ipywidgets", "jupyterlab", "jupytext"}
+    assert used == declared - runtimes, used ^ declared
+
+
+def test_generated_files_name_no_stale_path() -> None:
+    """TENSOR_MAP.md (pushed to every repo) and the README name only paths that exist."""
+    for doc in ("TENSOR_MAP.md", "README.md"):
+        text = (PACKAGE.parent / doc).read_text()
+        for path in sorted(
+            set(re.findall(r"`((?:k3lab|tests|notebooks|benchmarks)/[\w/.-]+\.(?:py|md|ipynb))`", text))
+        ):
+            assert (PACKAGE.parent / path).exists(), (doc, path)

@@ -94,8 +94,8 @@ def test_workers_that_share_nothing_publish_the_set(
         assert {"MANIFEST.json", "README.md", "TENSOR_MAP.md"} <= set(files)
         card = files["README.md"].decode()
         assert card.startswith("---\nbase_model: moonshotai/Kimi-K3\n") and "- kimi-k3\n" in card
-        assert f"huggingface-cli download {TARGET}" in card and "Kimi-K3-MXFP4-00001-of-00009.gguf" in card
-        assert "k3lab convert --repo moonshotai/Kimi-K3" in card and hub.first in card
+        assert f"hf download {TARGET}" in card and "Kimi-K3-MXFP4-00001-of-00009.gguf" in card
+        assert f"k3lab convert --repo moonshotai/Kimi-K3 --revision {hub.first}" in card
         assert "`kimi-k3.block_count`" in card
         manifest = json.loads(files["MANIFEST.json"])
         made_here = {n: "git-" + git_blob_id(files[n]) for n in ("README.md", "TENSOR_MAP.md")}

@@ -17,7 +17,7 @@ from k3lab.errors import K3LabError
 from k3lab.formats.files import read_json
 from k3lab.formats.gguf_stream import KV
 from k3lab.formats.safetensors import build_header
-from k3lab.pipeline.model import ALL, OUTPUT, Model, Rule, TensorSpec
+from k3lab.pipeline.model import ALL, OUTPUT, Front, Model, Rule, TensorSpec
 from k3lab.pipeline.streams import GENERIC, Shape, Transform
 
 ARCH = "toy"
@@ -116,6 +116,33 @@ def file_kvs(
     ]
 
 
+CARD = """$front_matter
+
+# $basename GGUF ($label): a toy
+
+$n_files files, $total_size, $n_tensors tensors, made by k3lab $version from $provenance:
+
+```bash
+$command
+```
+
+$files_table
+
+```bash
+$download_verify
+k3lab verify --model toy_model $local
+```
+"""
+
+FRONT = Front(
+    base_model="k3lab-test/Toy",
+    card_template=lambda: CARD,
+    rules_file="tests/toy_model.py",
+    tags={},
+    chat_template=lambda meta, flag: (None, "chat template: none (a toy)"),
+    demo=lambda folder, seed: write_checkpoint(Path(folder), seed=seed),
+)
+
 MODEL = Model(
     name=ARCH,
     module=__name__,
@@ -132,6 +159,7 @@ MODEL = Model(
     config_tags=lambda cfg: frozenset(),
     layout=layout,
     file_kvs=file_kvs,
+    front=FRONT,
 )
 
 

@@ -27,6 +27,13 @@ import numpy as np
 from k3lab.errors import K3LabError
 
 MiB = 1024 * 1024
+PARTIAL = ".partial"  # a file being written; renamed to its name once whole
+
+
+def partial_path(path: Path, pid: int | None = None) -> Path:
+    """Where ``path`` is written before it is renamed into place: ``NAME.partial`` (one writer of the
+    name at a time: a folder's lock says so), or ``NAME.PID.partial`` (writers that may overlap)."""
+    return path.with_name(f"{path.name}.{pid}{PARTIAL}" if pid is not None else path.name + PARTIAL)
 
 
 class InputFileError(K3LabError):
@@ -172,7 +179,7 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
     """``write(fh)`` into ``path.PID.partial`` (created new, never through a symlink), fsync, rename:
     ``path`` is old or new, never half, and a symlink at ``path`` is refused, not replaced. A failure
     removes the partial file (only a regular file of that name: k3lab's own) and is raised as it is."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # concurrent writers never share one
+    tmp = partial_path(path, os.getpid())  # concurrent writers never share one
     try:
         remove_regular(tmp)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)

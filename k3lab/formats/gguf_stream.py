@@ -22,14 +22,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, Keys
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGUF_DEFAULT_ALIGNMENT,
+    GGMLQuantizationType,
+    GGUFValueType,
+    GGUFWriter,
+    Keys,
+)
 
 from k3lab.errors import K3LabError, MachineError
 from k3lab.formats import hashing
 from k3lab.formats.direct_io import DirectTail, aligned
-from k3lab.formats.files import fsync_dir, remove_regular
+from k3lab.formats.files import fsync_dir, partial_path, remove_regular
 
-ALIGNMENT = 32  # GGUF default
+ALIGNMENT = GGUF_DEFAULT_ALIGNMENT  # (k3lab writes no general.alignment)
 
 
 @dataclass(frozen=True)
@@ -114,7 +121,7 @@ class GGUFStream:
     ):
         self.path = Path(path)
         self.before_commit = before_commit  # may refuse the finished file: then it is deleted
-        self.partial = self.path.with_name(self.path.name + ".partial")
+        self.partial = partial_path(self.path)
         self.infos = list(infos)
         self._next = 0
         self._flushed = self._dropped = 0  # file offsets handed to the kernel's writeback
@@ -128,7 +135,7 @@ class GGUFStream:
         self.hashes: dict[str, str] = {}
         self._writer = GGUFWriter(self.partial, arch)
         for kv in kvs:
-            if kv.key == "general.architecture":
+            if kv.key == Keys.General.ARCHITECTURE:
                 continue  # GGUFWriter adds it
             self._writer.add_key_value(kv.key, kv.value, kv.type, sub_type=kv.sub_type)
         for ti in self.infos:

@@ -118,15 +118,15 @@ def size_label(tensors: list[tuple[str, tuple[int, ...]]]) -> str:
 
 def general(cfg: K3Config, name: str, file_type: str, size: str | None = None) -> list[KV]:
     kvs = [
-        KV("general.architecture", ARCH, GGUFValueType.STRING),
-        KV("general.type", "model", GGUFValueType.STRING),
-        KV("general.name", name, GGUFValueType.STRING),
+        KV(gguf.Keys.General.ARCHITECTURE, ARCH, GGUFValueType.STRING),
+        KV(gguf.Keys.General.TYPE, "model", GGUFValueType.STRING),
+        KV(gguf.Keys.General.NAME, name, GGUFValueType.STRING),
     ]
     if size:
-        kvs.append(KV("general.size_label", size, GGUFValueType.STRING))
+        kvs.append(KV(gguf.Keys.General.SIZE_LABEL, size, GGUFValueType.STRING))
     return kvs + [
-        KV("general.file_type", int(FILE_TYPE[file_type]), U32),
-        KV("general.quantization_version", 2, U32),
+        KV(gguf.Keys.General.FILE_TYPE, int(FILE_TYPE[file_type]), U32),
+        KV(gguf.Keys.General.QUANTIZATION_VERSION, gguf.GGML_QUANT_VERSION, U32),
     ]
 
 

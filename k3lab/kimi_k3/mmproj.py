@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUFValueType, LlamaFileType
+from gguf import GGUFValueType, Keys, LlamaFileType
 
 from k3lab.errors import K3LabError
 from k3lab.formats.files import read_json
@@ -61,9 +61,9 @@ def clip_kvs(cfg: K3Config, pre: dict[str, Any], file_type: int = int(LlamaFileT
     patch = int(v["patch_size"])
     merge_kernel = [int(x) for x in v["merge_kernel_size"]]
     return [
-        KV("general.architecture", CLIP_ARCH, S),
-        KV("general.name", "Kimi-K3 MoonViT mmproj", S),
-        KV("general.file_type", file_type, U32),
+        KV(Keys.General.ARCHITECTURE, CLIP_ARCH, S),
+        KV(Keys.General.NAME, "Kimi-K3 MoonViT mmproj", S),
+        KV(Keys.General.FILE_TYPE, file_type, U32),
         KV("clip.has_vision_encoder", True, BOOL),
         KV("clip.projector_type", PROJECTOR_TYPE, S),
         KV("clip.vision.projection_dim", int(v.get("text_hidden_size", cfg.n_embd)), U32),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from k3lab.formats.safetensors import INDEX_NAME
 from k3lab.kimi_k3.config import K3Config
+from k3lab.kimi_k3.front import FRONT
 from k3lab.kimi_k3.keys import ARCH, file_kvs, tokenizer_kvs
 from k3lab.kimi_k3.layout import unit_layout
 from k3lab.kimi_k3.mmproj import MMPROJ
@@ -36,4 +37,5 @@ MODEL = Model(
     tokenizer_kvs=tokenizer_kvs,
     single=MMPROJ,
     other_prefixes=MMPROJ.prefixes,
+    front=FRONT,
 )

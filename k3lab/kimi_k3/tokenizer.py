@@ -20,13 +20,15 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gguf import GGUFValueType, TokenType
+from gguf import GGUFValueType, Keys, TokenType
 
 from k3lab.errors import K3LabError
 from k3lab.formats.bpe_merges import bpe_merge_ranks
 from k3lab.formats.files import InputFileError, read_bounded, read_json, read_text
 from k3lab.formats.gguf_stream import KV
 from k3lab.kimi_k3.config import K3Config
+
+Tok = Keys.Tokenizer
 
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = (
     int(t) for t in (TokenType.NORMAL, TokenType.CONTROL, TokenType.UNUSED)
@@ -250,26 +252,23 @@ class Vocabulary:
     def kvs(self) -> list[KV]:
         S, U32, ARR = GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.ARRAY
         kvs = [
-            KV("tokenizer.ggml.model", "gpt2", S),
-            KV("tokenizer.ggml.pre", PRE_TOKENIZER, S),
-            KV("tokenizer.ggml.tokens", self.tokens, ARR, S),
-            KV("tokenizer.ggml.token_type", self.types, ARR, GGUFValueType.INT32),
-            KV("tokenizer.ggml.merges", self.merges, ARR, S),
+            KV(Tok.MODEL, "gpt2", S),
+            KV(Tok.PRE, PRE_TOKENIZER, S),
+            KV(Tok.LIST, self.tokens, ARR, S),
+            KV(Tok.TOKEN_TYPE, self.types, ARR, GGUFValueType.INT32),
+            KV(Tok.MERGES, self.merges, ARR, S),
         ]
         for key, value in (
-            ("bos", self.bos_id),
-            ("eos", self.eos_id),
-            ("unknown", self.unk_id),
-            ("padding", self.pad_id),
+            (Tok.BOS_ID, self.bos_id),
+            (Tok.EOS_ID, self.eos_id),
+            (Tok.UNK_ID, self.unk_id),
+            (Tok.PAD_ID, self.pad_id),
         ):
             if value is not None:
-                kvs.append(KV(f"tokenizer.ggml.{key}_token_id", value, U32))
-        kvs += [
-            KV("tokenizer.ggml.add_bos_token", False, GGUFValueType.BOOL),
-            KV("tokenizer.ggml.add_eos_token", False, GGUFValueType.BOOL),
-        ]
+                kvs.append(KV(key, value, U32))
+        kvs += [KV(Tok.ADD_BOS, False, GGUFValueType.BOOL), KV(Tok.ADD_EOS, False, GGUFValueType.BOOL)]
         if self.chat_template:
-            kvs.append(KV("tokenizer.chat_template", self.chat_template, S))
+            kvs.append(KV(Tok.CHAT_TEMPLATE, self.chat_template, S))
         return kvs
 
 

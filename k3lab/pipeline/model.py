@@ -109,6 +109,29 @@ class SingleFileModel:
     check_config: Callable[[Any], None]  # one line when the config cannot describe it
 
 
+@dataclass(frozen=True)
+class Front:
+    """What the front (CLI, notebooks, demo, a published repo's card) needs of a model, besides what
+    the pipeline does: plain data and functions, so that a model module is all a new family adds.
+
+    - ``base_model``: the Hub repo a conversion of a local copy is taken to come from (the card's
+      ``base_model``), and whose card's license the published card repeats;
+    - ``card_template``: the model card, a ``string.Template`` the front fills in (``k3lab.card``);
+    - ``rules_file``: the module holding the rule table (TENSOR_MAP.md names it);
+    - ``tags``: what each rule's unit and config tags mean, in words (TENSOR_MAP.md);
+    - ``chat_template``: (meta folder, ``--chat-template`` file or None) -> (the template to embed
+      or None for the source's own, one line saying which and what it means for llama.cpp);
+    - ``demo``: (folder, seed) -> writes a small synthetic checkpoint there (``k3lab demo``).
+    """
+
+    base_model: str
+    card_template: Callable[[], str]
+    rules_file: str
+    tags: Mapping[str, str]
+    chat_template: Callable[[Path, Path | None], tuple[str | None, str]]
+    demo: Callable[[Path, int], Any]
+
+
 @dataclass(frozen=True, eq=False)
 class Model:
     name: str  # GGUF general.architecture
@@ -130,6 +153,7 @@ class Model:
     tokenizer_kvs: Callable[[Path, str | None], list[KV]] | None = None
     single: SingleFileModel | None = None
     other_prefixes: tuple[str, ...] = field(default=())  # source tensors of other outputs
+    front: Front | None = None  # what the front needs (the card, TENSOR_MAP.md, the demo)
 
     @property
     def rules_digest(self) -> str:

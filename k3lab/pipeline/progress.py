@@ -16,6 +16,7 @@ count never passes its total.
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -77,6 +78,20 @@ class TaskReport:
 
 
 NO_REPORT = TaskReport()
+
+
+class Stopped(BaseException):
+    """SIGTERM (or the run's end) reached a process mid-conversion: unwind, removing .partial files."""
+
+
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM into ``Stopped`` in the main thread, so that cleanup runs (a plain SIGTERM
+    would end the process with its .partial files left)."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Stopped(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 class RunProgress:

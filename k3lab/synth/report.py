@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from typing import Any
 
 from k3lab.formats.safetensors import read_header
 from k3lab.util import human_bytes
@@ -36,3 +37,11 @@ def describe(result: SynthResult, max_rows: int = 12) -> str:
         "tokenizer_config.json"
     )
     return "\n".join(lines)
+
+
+def synth_cli(req: Any, args: Any) -> int:
+    """`k3lab synth`: write the checkpoint and describe it."""
+    from k3lab.synth.generate import synthesize
+
+    print(describe(synthesize(args.preset, args.out, seed=args.seed, experts=args.experts, draw=args.draw)))
+    return 0

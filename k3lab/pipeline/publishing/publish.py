@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from string import Template
 from typing import Any
 
 from k3lab.errors import K3LabError
@@ -276,25 +275,7 @@ def git_blob_id(data: bytes) -> str:
     return h.hexdigest()
 
 
-def render_card(template: str, fields: dict[str, Any]) -> str:
-    """The model card: ``template`` (a file kept in the package) with ``$name`` fields filled in; a
-    field the template names and the run does not give is an error, never a blank."""
-    try:
-        return Template(template).substitute({k: str(v) for k, v in fields.items()})
-    except KeyError as e:
-        raise K3LabError(f"model card template: no value for ${e.args[0]}") from None
-
-
-def files_table(records: list[Record]) -> str:
-    from k3lab.util import human_bytes
-
-    rows = ["| file | size | tensors | SHA-256 |", "| --- | ---: | ---: | --- |"]
-    for r in sorted(records, key=lambda r: (not r.is_text, r.number, r.file)):
-        rows.append(f"| `{r.file}` | {human_bytes(r.size)} | {len(r.tensors)} | `{r.sha256[:16]}…` |")
-    return "\n".join(rows)
-
-
-ExtraFiles = Callable[[Any, list[Record]], dict[str, bytes]]  # (plan, records) -> {name: bytes}
+ExtraFiles = Callable[[Any, list[Record], list[Any]], dict[str, bytes]]  # (plan, records, kvs) -> files
 
 
 @dataclass
@@ -367,7 +348,7 @@ def publish_folder(
             op = upload(publication.target, path)
             committer.add(op, rec)
         extra = (
-            publication.extra_files(plan, list(committer.records.values()))
+            publication.extra_files(plan, list(committer.records.values()), folder.load_kvs(plan))
             if publication.extra_files
             else None
         )

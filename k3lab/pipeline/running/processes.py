@@ -128,7 +128,7 @@ def _left_partials(task: Task, todo: list[int]) -> list[int]:
     own (and its report of which file it took may have died with it, in its queue's thread)."""
     plan = task_plan(task.model, task.out_dir, task.plan_digest)
     folder = OutputFolder(task.out_dir)
-    return [k for k in todo if folder.output(plan.file(k).filename + ".partial").exists()]
+    return [k for k in todo if folder.partial(plan.file(k).filename).exists()]
 
 
 def _worker_died(

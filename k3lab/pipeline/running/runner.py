@@ -280,7 +280,7 @@ def _convert_planned(
         published_to = None
         if committer is not None and not stopped:  # (Ctrl-C: nothing more is written)
             try:
-                published_to = _final_commit(committer, plan, publication, complete=not failures)
+                published_to = _final_commit(committer, plan, publication, not failures, task.out_dir)
             except K3LabError as e:
                 late.append(e)
         try:
@@ -310,11 +310,17 @@ def _record_published(folder: OutputFolder, committer: Committer, result: FileRe
     committer.add(result.upload, result.record)
 
 
-def _final_commit(committer: Committer, plan: Plan, publication: Publication, complete: bool) -> Published:
+def _final_commit(
+    committer: Committer, plan: Plan, publication: Publication, complete: bool, out_dir: str
+) -> Published:
     """The last commit: what is pending and the manifest, and (the set complete) the extra files."""
     records = list(committer.records.values())
     whole = complete and {r.file for r in records if r.is_text} >= {pf.filename for pf in plan.files}
-    extra = publication.extra_files(plan, records) if whole and publication.extra_files else None
+    extra = (
+        publication.extra_files(plan, records, OutputFolder(out_dir).load_kvs(plan))
+        if whole and publication.extra_files
+        else None
+    )
     commit = committer.commit(extra, "k3lab: the whole set" if extra else "")
     target = publication.target
     return Published(target.repo, target.branch, committer.made, commit or committer.state.commit)

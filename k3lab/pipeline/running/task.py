@@ -16,19 +16,18 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from k3lab.errors import K3LabError, MachineError
 from k3lab.pipeline.model import Model
 from k3lab.pipeline.planning.plan import Plan
-from k3lab.pipeline.progress import TaskReport
+from k3lab.pipeline.progress import Stopped, TaskReport
 from k3lab.pipeline.publishing.publish import PushTarget, upload
 from k3lab.pipeline.running.events import worker_channel
 from k3lab.pipeline.sources import open_source
 from k3lab.pipeline.sources.base import SourceSpec
 from k3lab.pipeline.writing.convert import FileResult, convert_file, worker_name
-from k3lab.pipeline.writing.folder import OutputFolder
+from k3lab.pipeline.writing.folder import OutputFolder, worker_folders
 
 
 @dataclass(frozen=True)
@@ -74,10 +73,8 @@ def worker_folder(task: Task) -> tuple[str, SourceSpec]:
         return task.out_dir, task.source
     from distributed import get_worker
 
-    root = Path(get_worker().local_directory) / "k3lab"
-    return str(root / f"out-{task.plan_digest[:16]}"), task.source.with_options(
-        {"scratch": str(root / "scratch")}
-    )
+    out, scratch = worker_folders(get_worker().local_directory, task.plan_digest)
+    return str(out), task.source.with_options({"scratch": str(scratch)})
 
 
 def run_task(
@@ -140,20 +137,6 @@ def gives_up(e: K3LabError) -> bool:
 
 
 _converting = 0  # conversions running in this process (a SIGTERM then has cleaning up to do)
-
-
-class Stopped(BaseException):
-    """SIGTERM (or the run's end) reached a process mid-conversion: unwind, removing .partial files."""
-
-
-def stop_on_sigterm() -> None:
-    """Turn SIGTERM into ``Stopped`` in the main thread, so that cleanup runs (a plain SIGTERM
-    would end the process with its .partial files left)."""
-
-    def handler(signum: int, frame: Any) -> None:
-        raise Stopped(signal.Signals(signum).name)
-
-    signal.signal(signal.SIGTERM, handler)
 
 
 def init_worker(progress_queue_: Any, parent: int) -> None:

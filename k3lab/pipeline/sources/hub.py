@@ -39,10 +39,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from k3lab.errors import K3LabError
-from k3lab.formats.files import parse_json, read_bounded, read_chunks, write_atomically
+from k3lab.formats.files import (
+    parse_json,
+    partial_path,
+    read_bounded,
+    read_chunks,
+    remove_regular,
+    write_atomically,
+)
 from k3lab.formats.hashing import git_blob_hash
 from k3lab.formats.safetensors import MAX_HEADER
 from k3lab.pipeline.progress import NO_REPORT, Cancelled, TaskReport
@@ -136,7 +143,8 @@ class HubSource(Source):
         budget = spec.option("retry_budget")
         self.budget = RETRY_BUDGET if budget is None else float(budget)
         self.meta_dir = Path(spec.meta_dir)
-        self.scratch = Path(spec.option("scratch") or self.meta_dir / "scratch")
+        scratch = spec.option("scratch")  # (the front always gives one: see ``request``)
+        self.scratch = Path(scratch) if scratch else None
         self.meta_files, self.optional_meta = spec.meta_files, spec.optional_meta
         self._remote: dict[str, RemoteFile] | None = None
         self._slots: dict[str, Slot] = {}  # file -> its download, held by this process
@@ -156,7 +164,7 @@ class HubSource(Source):
 
     def local_path(self, file: str) -> Path:
         slot = self._slots.get(file)
-        return (slot.folder if slot else self.scratch) / file
+        return (slot.folder if slot else self.scratch or self.meta_dir) / file
 
     def readable(self, file: str) -> bool:
         return file in self._slots  # only what this source downloaded and checked
@@ -183,9 +191,9 @@ class HubSource(Source):
         return self._remote
 
     def pin(self) -> dict[str, Any]:
-        """The spec options that fix what was read: the commit."""
+        """The spec options that fix what was read: the commit (and, for the record, the repo)."""
         self.resolve()
-        return {"commit": self.commit}
+        return {"commit": self.commit, "repo": self.repo}
 
     def remote(self, file: str) -> RemoteFile:
         found = self.resolve().get(file)
@@ -216,11 +224,16 @@ class HubSource(Source):
                     f"{local}: is not {self.where(name)} and k3lab did not fetch it; move it away or "
                     "give another --meta (k3lab never replaces a file it did not make)"
                 )
-            slot = self._fetch(name, NO_REPORT)
+            partial = partial_path(local, os.getpid())
+            remove_regular(partial)  # (a killed fetch of this process id's)
             try:
-                _install(slot.folder / name, local)
+                if self._download(remote, partial, NO_REPORT) != remote.oid:
+                    raise HubError(f"{self.where(name)}: the downloaded bytes are not the ones the Hub lists")
+                if local.is_symlink():
+                    raise HubError(f"{local}: is a symlink; k3lab never writes through one (remove it)")
+                os.replace(partial, local)
             finally:
-                slot.remove()
+                remove_regular(partial)
             fetched[name] = remote.oid
             _write_fetched(fetched_path, fetched)
 
@@ -269,6 +282,8 @@ class HubSource(Source):
         is the file's name and SHA-256, so only the same bytes ever resume it); other bytes than the
         Hub lists, or a stop, remove the slot."""
         remote = self.remote(file)
+        if self.scratch is None:
+            raise HubError(f"{self.where(file)}: no scratch folder to download it into (give --scratch)")
         self.scratch.mkdir(parents=True, exist_ok=True)
         key = hashlib.sha256(f"{file}\0{remote.oid}".encode()).hexdigest()[:32]
         sweep_scratch(self.scratch, keep=key)
@@ -407,13 +422,3 @@ def _read_fetched(path: Path) -> dict[str, str]:
 def _write_fetched(path: Path, fetched: dict[str, str]) -> None:
     data = json.dumps(fetched, indent=1, sort_keys=True).encode()
     write_atomically(path, lambda fh: fh.write(data))
-
-
-def _install(src: Path, dst: Path) -> None:
-    """Copy a downloaded file into place atomically (never through a symlink at ``dst``)."""
-
-    def copy(fh: BinaryIO) -> None:
-        for chunk in read_chunks(src, 1 << 30, "downloaded file"):
-            fh.write(chunk)
-
-    write_atomically(dst, copy)

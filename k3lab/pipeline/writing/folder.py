@@ -42,9 +42,11 @@ from typing import Any, BinaryIO
 
 from k3lab.errors import K3LabError, MachineError
 from k3lab.formats.files import (
+    PARTIAL,
     InputFileError,
     json_bytes,
     open_lock_file,
+    partial_path,
     read_bounded,
     remove_regular,
     write_atomically,
@@ -101,6 +103,10 @@ class OutputFolder:
         self.state = self.path / STATE_DIR
 
     # --- names ----------------------------------------------------------------------------------
+    def partial(self, name: str) -> Path:
+        """Where output file ``name`` is while it is written."""
+        return partial_path(self.output(name))
+
     def output(self, name: str) -> Path:
         """An output file in the folder (a plain name, never a path)."""
         if "/" in name or name in ("", ".", "..") or "\0" in name:
@@ -113,6 +119,7 @@ class OutputFolder:
 
     @property
     def scratch(self) -> Path:
+        """Where a run's Hub downloads go unless ``--scratch`` says otherwise: the one default."""
         return self.state / SCRATCH_NAME
 
     # --- the folder itself ----------------------------------------------------------------------
@@ -415,9 +422,9 @@ class OutputFolder:
         """Delete the ``*.partial`` files a killed run left: regular files of k3lab's naming only
         (``NAME.gguf.partial`` here, ``NAME.PID.partial`` in ``.k3lab/``), never a symlink's target.
         Only while holding the folder's lock."""
-        found = [*self.path.glob("*.gguf.partial")]
+        found = [*self.path.glob(f"*.gguf{PARTIAL}")]
         if self.check_state_dir():
-            found += self.state.glob("*.json.*.partial")
+            found += self.state.glob(f"*.json.*{PARTIAL}")
         return [p for p in found if remove_regular(p)]
 
     # --- files outside the split set ------------------------------------------------------------------
@@ -449,3 +456,13 @@ def _disk_full(e: BaseException, path: Path) -> BaseException:
     if isinstance(e, OSError) and e.errno in (errno.EEXIST, errno.ELOOP):
         return FolderError(f"{path}: a file k3lab did not make is in the way ({e.strerror}); remove it")
     return e
+
+
+WORKER_DIR = "k3lab"  # in a Dask worker's local directory
+
+
+def worker_folders(local_directory: str | os.PathLike, plan_digest: str) -> tuple[Path, Path]:
+    """A Dask worker's own output folder and scratch, for a run that shares nothing but the Hub:
+    ``<local directory>/k3lab/out-<plan digest>/`` and ``<local directory>/k3lab/scratch/``."""
+    root = Path(local_directory) / WORKER_DIR
+    return root / f"out-{plan_digest[:16]}", root / SCRATCH_NAME

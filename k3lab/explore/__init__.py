@@ -1,0 +1,41 @@
+"""Looking inside: the data behind the notebooks, as plain functions returning plain values.
+
+Every function reads a checkpoint (or a converted set) and returns rows, arrays or dicts; the plots
+live in ``plots.py`` and the story in ``notebooks/``. One module per job: ``paths`` (where a
+notebook's paths start, where it writes its result), ``opening`` (a checkpoint and its plan, through
+the same request as the CLI), ``layouts`` (01), ``scales`` (02, 03), ``vision`` (04), ``sets``
+(05), ``tables`` (HTML tables). A notebook imports ``k3lab.explore`` and finds them all here.
+"""
+
+from __future__ import annotations
+
+from k3lab.explore.layouts import planned_by_source, shard_rows
+from k3lab.explore.opening import convert, open_checkpoint, open_conversion, source_spec
+from k3lab.explore.paths import HOME_ENV, home, resolve, save_result
+from k3lab.explore.scales import PROJ_NAMES, ScaleStats, expert_codes, first_block, scale_stats
+from k3lab.explore.sets import manifest_summary
+from k3lab.explore.tables import html_table
+from k3lab.explore.vision import tokenize_with_merges, vision_blocks, weight_stats
+
+__all__ = [
+    "HOME_ENV",
+    "PROJ_NAMES",
+    "ScaleStats",
+    "convert",
+    "expert_codes",
+    "first_block",
+    "home",
+    "html_table",
+    "manifest_summary",
+    "open_checkpoint",
+    "open_conversion",
+    "planned_by_source",
+    "resolve",
+    "save_result",
+    "scale_stats",
+    "shard_rows",
+    "source_spec",
+    "tokenize_with_merges",
+    "vision_blocks",
+    "weight_stats",
+]

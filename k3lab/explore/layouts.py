@@ -1,0 +1,57 @@
+"""A shard's tensors, where they are and what each becomes (notebook 01): read from the shard's header
+alone; the rule table decides what each source tensor becomes, so a row and a line of TENSOR_MAP.md
+always agree."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from k3lab.errors import K3LabError
+from k3lab.pipeline.planning.plan import Plan
+from k3lab.pipeline.sources.base import Source
+from k3lab.pipeline.writing.single import plan_single
+
+
+def planned_by_source(plan: Plan) -> dict[str, list[tuple[Any, Any]]]:
+    """Source tensor -> every (file, output tensor) it feeds: ``kv_b_proj`` feeds both ``attn_k_b``
+    and ``attn_v_b``, and a row must show both."""
+    out: dict[str, list[tuple[Any, Any]]] = {}
+    for f in plan.files:
+        for t in f.tensors:
+            for s in t.sources:
+                out.setdefault(s, []).append((f, t))
+    return out
+
+
+def shard_rows(plan: Plan, source: Source, shard: int, by_source: dict | None = None) -> list[dict[str, Any]]:
+    """One row per tensor of source shard ``shard`` (1-based): where it is, and what it becomes. Reads
+    that shard's header only (the plan is made once: ``open_conversion``)."""
+    files = source.files()
+    fname = files[shard - 1]
+    entries = sorted(source.header(fname).values(), key=lambda e: e.start)
+    mapped = by_source if by_source is not None else planned_by_source(plan)
+    if not mapped.keys() & {e.name for e in entries}:
+        try:
+            mapped = {s: [(None, t)] for t in plan_single(plan.model, plan.cfg, source) for s in t.sources}
+        except K3LabError:  # not a vision shard either
+            mapped = {}
+    rows = []
+    for e in entries:
+        targets = mapped.get(e.name, [])
+        rows.append(
+            {
+                "tensor": e.name,
+                "dtype": e.dtype,
+                "shape": e.shape,
+                "offset": e.start,
+                "bytes": e.nbytes,
+                "gguf": " + ".join(t.name for _, t in targets),
+                "gguf type": " + ".join(t.info.type.name for _, t in targets),
+                "gguf ne": " + ".join(str(list(t.info.ne)) for _, t in targets),
+                "transform": " + ".join(t.transform for _, t in targets),
+                "file": targets[0][0].filename
+                if targets and targets[0][0]
+                else ("mmproj" if targets else ""),
+            }
+        )
+    return rows

@@ -1,0 +1,108 @@
+"""MXFP4 experts up close (notebooks 02 and 03): E8M0 scale statistics of one projection across a
+layer's experts, one expert's FP4 codes, one block before and after the repack."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from k3lab.formats import mxfp4
+from k3lab.kimi_k3.rules import expert_of, expert_tensor
+from k3lab.pipeline.sources.base import Source
+
+OUTLIER_LOW, OUTLIER_HIGH = 0, 250  # E8M0 bytes worth a look: an all-zero block, or ~2**123
+
+
+def _expert_names(source: Source, layer: int, proj: str, part: str = "weight_scale") -> list[tuple[int, str]]:
+    found = ((expert_of(n, layer, proj, part), n) for n in source.weight_map)
+    return sorted((e, n) for e, n in found if e is not None)
+
+
+@dataclass
+class ScaleStats:
+    """One projection of one MoE layer, every expert: how often each scale byte occurs, the mean
+    exponent per expert and block column, and the outlier blocks (byte 0, or >= 250)."""
+
+    layer: int
+    proj: str
+    counts: np.ndarray  # int64 [256]: blocks per scale byte
+    means: np.ndarray  # float32 [n_expert, blocks per row]: mean exponent over rows
+    outliers: list[dict[str, int]]
+
+    def summary(self) -> dict[str, Any]:
+        byte = np.arange(256)
+        valid = self.counts.copy()
+        valid[255] = 0  # E8M0's NaN, not a scale
+        n = int(valid.sum())
+        mean = float((valid * byte).sum() / max(n, 1))
+        std = float(np.sqrt((valid * (byte - mean) ** 2).sum() / max(n, 1)))
+        present = np.nonzero(valid)[0]
+        return {
+            "layer": self.layer,
+            "proj": PROJ_NAMES.get(self.proj, self.proj),
+            "mean exponent": round(mean - 127, 2),
+            "std": round(std, 2),
+            "min exponent": int(present.min()) - 127 if present.size else None,
+            "max exponent": int(present.max()) - 127 if present.size else None,
+            "blocks": n,
+        }
+
+
+PROJ_NAMES = {"w1": "gate (w1)", "w2": "down (w2)", "w3": "up (w3)"}
+
+
+def scale_stats(source: Source, layer: int, proj: str, outlier_limit: int = 50) -> ScaleStats:
+    """Streams the experts one at a time (memory: one expert's scales), counting with bincount on
+    the uint8 bytes as they are: no copy of a whole stack, no float64 of it."""
+    counts = np.zeros(256, dtype=np.int64)
+    rows_means: list[np.ndarray] = []
+    outliers: list[dict[str, int]] = []
+    for e, name in _expert_names(source, layer, proj):
+        sc = np.asarray(source.array(name))
+        counts += np.bincount(sc.ravel(), minlength=256)
+        rows_means.append(sc.mean(axis=0, dtype=np.float32) - 127)
+        if len(outliers) < outlier_limit:
+            for r, b in zip(*np.nonzero((sc == OUTLIER_LOW) | (sc >= OUTLIER_HIGH))):
+                outliers.append(
+                    {
+                        "layer": layer,
+                        "proj": proj,
+                        "expert": e,
+                        "row": int(r),
+                        "block": int(b),
+                        "byte": int(sc[r, b]),
+                    }
+                )
+                if len(outliers) >= outlier_limit:
+                    break
+    means = np.stack(rows_means) if rows_means else np.zeros((0, 0), np.float32)
+    return ScaleStats(layer, proj, counts, means, outliers)
+
+
+def expert_codes(source: Source, layer: int, proj: str, expert: int = 0) -> np.ndarray:
+    """The FP4 codes (0..15) of one expert matrix."""
+    name = expert_tensor(layer, expert, proj, "weight_packed")
+    return mxfp4.unpack_codes(np.asarray(source.array(name)))
+
+
+def first_block(
+    source: Source, layer: int, proj: str, expert: int = 0, row: int = 0, block: int = 0
+) -> dict[str, Any]:
+    """One 32-value block before and after the repack: the 16 + 1 source bytes and the 17 ggml bytes."""
+    base = expert_tensor(layer, expert, proj, "")
+    packed = np.asarray(source.array(base + "weight_packed"))[row : row + 1, block * 16 : block * 16 + 16]
+    scale = np.asarray(source.array(base + "weight_scale"))[row : row + 1, block : block + 1]
+    ggml = mxfp4.repack(packed, scale)
+    return {
+        "tensor": base + "weight_packed",
+        "row": row,
+        "block": block,
+        "scale byte": int(scale[0, 0]),
+        "source bytes": packed[0].tobytes().hex(" "),
+        "ggml bytes": ggml[0].tobytes().hex(" "),
+        "codes": mxfp4.unpack_codes(packed)[0].tolist(),
+        "values": mxfp4.decode_compressed_tensors(packed, scale)[0].tolist(),
+        "values from ggml bytes": mxfp4.decode_ggml(ggml, 32)[0].tolist(),
+    }

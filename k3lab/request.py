@@ -1,0 +1,346 @@
+"""One way in: what a user asks becomes a run here, and only here.
+
+The CLI's flags, a notebook's parameters and the demo all make a ``Request`` (plain values), and
+everything a run needs is made from it in this module: the model (``--model``: a name in ``MODELS``
+or a module holding a ``MODEL``), the source (``--src`` or ``--repo``, with its scratch), the run
+options (``--outtype``, ``--name``, ``--chat-template``, ``--force``), the publication (``--push-to``
+and its flags) and the plan. The same request makes the same run, whoever made it. Where the Hub is
+and who the user is there, huggingface_hub reads from its own environment (``HF_ENDPOINT``,
+``HF_TOKEN`` or its stored login); the run carries both to its workers in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from k3lab import values
+from k3lab.errors import K3LabError
+
+if TYPE_CHECKING:  # (imported where used: `k3lab --help` loads no numpy, gguf or Hub client)
+    from k3lab.pipeline.model import Model
+    from k3lab.pipeline.sources.base import SourceSpec
+
+MODELS = {"kimi-k3": "k3lab.kimi_k3.model"}  # --model NAME -> its module; a module path works too
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Request:
+    """A user's request, as plain values (the CLI's flags by their names)."""
+
+    meta: str | None = None
+    src: str | None = None
+    repo: str | None = None
+    revision: str | None = None
+    scratch: str | None = None
+    keep_source: bool = False
+    retry_budget: float | None = None
+    model: str = "kimi-k3"
+    out_dir: str | None = None
+    outtype: str = "auto"
+    name: str | None = None
+    chat_template: str | None = None
+    force: bool = False
+    shards: str | list[int] | None = None
+    jobs: int = 1
+    scheduler: str | None = None
+    quiet: bool = False
+    push_to: str | None = None
+    push_branch: str | None = None
+    private: bool = False
+    keep_local: bool = False
+    commit_every: float | None = None
+
+    def __post_init__(self) -> None:
+        """Every value checked as the CLI checks it (a notebook makes a Request directly)."""
+        values.count(self.jobs, 1, values.MAX_JOBS, "--jobs")
+        for flag in ("retry_budget", "commit_every"):
+            if getattr(self, flag) is not None:
+                values.seconds(getattr(self, flag), "--" + flag.replace("_", "-"))
+        for flag in ("repo", "push_to"):
+            if getattr(self, flag) is not None:
+                values.repo_id(getattr(self, flag), "--" + flag.replace("_", "-"))
+
+    @classmethod
+    def of(cls, given: Any) -> Request:
+        """A request from anything with these names (an argparse namespace, a dict): the rest is ignored."""
+        given = given if isinstance(given, dict) else vars(given)
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in given.items() if k in names and v is not None})
+
+    # --- what it asks for -------------------------------------------------------------------------
+    def load_model(self) -> Model:
+        return _model(self.model)
+
+    def source(self, scratch: str | Path | None = None) -> SourceSpec:
+        """Where the checkpoint is: ``src`` (local, default ``meta``) or ``repo`` (the Hub), never both;
+        Hub downloads go to ``scratch`` (``--scratch``, else the one given: the output folder's)."""
+        if self.repo and self.src:
+            raise K3LabError("--repo and --src name two sources: give one")
+        for flag in ("scratch", "revision", "keep_source", "retry_budget"):
+            if getattr(self, flag) not in (None, False) and not self.repo:
+                raise K3LabError(f"--{flag.replace('_', '-')} is for streaming from the Hub: it needs --repo")
+        if self.meta is None:
+            raise K3LabError("--meta: give the folder of config.json, the index and the tokenizer files")
+        model = self.load_model()
+        if self.repo:
+            from huggingface_hub import constants, get_token
+
+            from k3lab.pipeline.sources.hub import hub_spec
+
+            return hub_spec(
+                self.meta,
+                self.repo,
+                revision=self.revision,
+                scratch=self.scratch or scratch,
+                endpoint=constants.ENDPOINT,
+                token=get_token(),
+                keep_source=self.keep_source,
+                retry_budget=self.retry_budget,
+                meta_files=model.meta_files,
+                optional_meta=model.optional_meta,
+            )
+        from k3lab.formats.safetensors import INDEX_NAME
+        from k3lab.pipeline.sources.base import SourceSpec
+
+        if self.src is None and not Path(self.meta, INDEX_NAME).exists():
+            raise K3LabError(f"{self.meta}: no {INDEX_NAME}; give --src, or --repo to stream from the Hub")
+        return SourceSpec.local(self.meta, self.src or self.meta)
+
+    def output_source(self) -> SourceSpec:
+        """The source of a command that writes an output folder: downloads in its scratch."""
+        from k3lab.pipeline.writing.folder import OutputFolder
+
+        return self.source(OutputFolder(self.out_dir).scratch if self.out_dir else None)
+
+    def run_options(self) -> tuple[Any, str]:
+        """``RunOptions`` and the line saying which chat template is embedded."""
+        from k3lab.pipeline.running.runner import RunOptions
+        from k3lab.pipeline.writing.folder import check_basename
+
+        model = self.load_model()
+        if self.name is not None:
+            check_basename(self.name)
+        template, line = None, ""
+        if model.front is not None and self.meta is not None:
+            template, line = model.front.chat_template(Path(self.meta), self.chat_template)
+        return RunOptions(self.outtype, self.name, template, self.force), line
+
+    def publication(self) -> Any:
+        """``--push-to`` and its flags as a ``Publication`` (None without ``--push-to``)."""
+        if not self.push_to:
+            for flag in ("push_branch", "private", "keep_local", "commit_every"):
+                if getattr(self, flag) not in (None, False):
+                    raise K3LabError(f"--{flag.replace('_', '-')} is for publishing: it needs --push-to")
+            return None
+        from huggingface_hub import constants, get_token
+
+        from k3lab.card import publication
+        from k3lab.pipeline.publishing.publish import PushTarget
+        from k3lab.pipeline.sources.retry import RETRY_BUDGET
+
+        target = PushTarget(
+            self.push_to,
+            self.push_branch or "main",
+            self.private,
+            self.keep_local,
+            constants.ENDPOINT,
+            get_token(),
+            RETRY_BUDGET if self.retry_budget is None else self.retry_budget,
+        )
+        return publication(self.load_model(), target, self.commit_every, self.force)
+
+
+@functools.lru_cache(maxsize=8)
+def _model(name: str) -> Model:
+    from k3lab.pipeline.model import load_model
+
+    module = MODELS.get(name, name)
+    try:
+        return load_model(module)
+    except (ImportError, TypeError):
+        raise K3LabError(
+            f"--model {name!r}: not a model (known: {', '.join(MODELS)}; or a module holding a MODEL)"
+        ) from None
+
+
+@contextlib.contextmanager
+def scratch(req: Request) -> Iterator[str | None]:
+    """Where a command that writes no output folder downloads shards: ``--scratch``, else a folder of
+    its own, removed at the end (shards come and go one at a time)."""
+    if req.scratch or not req.repo:
+        yield req.scratch
+        return
+    with tempfile.TemporaryDirectory(prefix="k3lab-scratch-") as tmp:
+        yield tmp
+
+
+# --- the runs ---------------------------------------------------------------------------------------
+
+
+def plan(req: Request, say: Say | None = None) -> Any:
+    """The plan of converting the request's source (saved in ``out_dir`` when given, as convert would)."""
+    from k3lab.pipeline.planning.planner import build_plan
+    from k3lab.pipeline.running.runner import start_run
+    from k3lab.pipeline.sources import open_source
+    from k3lab.pipeline.writing.folder import check_basename
+
+    model = req.load_model()
+    options, _ = req.run_options()
+    if req.out_dir:
+        with start_run(model, req.output_source(), req.out_dir, options, say=say) as (the_plan, _, _):
+            return the_plan
+    with scratch(req) as tmp:
+        source = open_source(req.source(tmp), fresh=True)
+        source.fetch_meta()
+        basename = check_basename(model.default_basename if options.basename is None else options.basename)
+        cfg = model.load_config(Path(req.meta or ""))
+        return build_plan(model, cfg, source, options.outtype, basename, options.chat_template)
+
+
+def convert(req: Request, say: Say | None = None, run_token: str | None = None) -> list[Any]:
+    """Convert the requested output files (published when asked): ``k3lab convert``."""
+    from k3lab.pipeline.running.runner import convert_shards
+
+    if req.scheduler and req.jobs != 1:
+        raise K3LabError(
+            "--jobs and --scheduler both say where to run: give one (Dask workers set their own)"
+        )
+    if not req.out_dir:
+        raise K3LabError("--out-dir: give the folder to write the set into")
+    spec = req.output_source()
+    options, line = req.run_options()
+    if say is not None and line:
+        say(line)
+    return convert_shards(
+        req.load_model(),
+        spec,
+        req.out_dir,
+        req.shards,
+        jobs=req.jobs,
+        quiet=True if req.quiet else (None if say is None else False),
+        scheduler=req.scheduler,
+        options=options,
+        run_token=run_token,
+        publication=req.publication(),
+    )
+
+
+def publish(req: Request, say: Say | None = None) -> tuple[int, int, str | None, str]:
+    """Push the converted set in ``out_dir`` to ``push_to``: (uploaded, already there, the commit, where)."""
+    from k3lab.pipeline.publishing.publish import publish_folder
+
+    publication = req.publication()
+    if publication is None:
+        raise K3LabError("publish: give the repo as ORG/NAME")
+    pushed, kept, commit = publish_folder(req.load_model(), req.out_dir, publication, say)
+    return pushed, kept, commit, publication.target.where()
+
+
+def verify(req: Request, manifest: str | None = None) -> tuple[Any, bool]:
+    """Check the set in ``out_dir`` (and, with a source, re-derive it): the report, and whether it
+    was re-derived."""
+    from k3lab.pipeline.checking.verify import verify as verify_set
+
+    rederive = req.src is not None or req.repo is not None
+    if rederive and req.meta is None:
+        if req.repo:
+            raise K3LabError("--repo needs --meta (a folder for the config, index and tokenizer files)")
+        req = dataclasses.replace(req, meta=req.src)
+    with scratch(req) as tmp:
+        spec = req.source(tmp) if rederive else None
+        report = verify_set(req.out_dir, manifest, spec, req.load_model(), quiet=req.quiet)
+    return report, rederive
+
+
+def vision(req: Request, out: str) -> Path:
+    from k3lab.pipeline.writing.folder import OutputFolder
+    from k3lab.pipeline.writing.single import convert_single
+
+    return convert_single(req.load_model(), req.source(OutputFolder(Path(out).parent).scratch), out)
+
+
+def tokenizer(req: Request, out: str, say: Say | None = None) -> Path:
+    from k3lab.pipeline.writing.single import convert_tokenizer
+
+    options, line = req.run_options()
+    if say is not None and line:
+        say(line)
+    return convert_tokenizer(req.load_model(), req.meta, out, options.chat_template)
+
+
+def prepared(req: Request) -> tuple[Any, Any]:
+    """The plan of converting into ``out_dir`` as ``convert`` would use it (the saved one when it is
+    current, else a new one), and the source it reads; nothing is written (a notebook, or a batch run
+    holding the folder)."""
+    from k3lab.pipeline.running.runner import prepare
+
+    options, _ = req.run_options()
+    spec = req.output_source()
+    source = opened(req, spec)
+    return prepare(req.load_model(), spec, req.out_dir or "", options)[0], source
+
+
+def opened(req: Request, spec: SourceSpec | None = None) -> Any:
+    """The request's source, opened fresh, its metadata fetched (a notebook's: it stays open)."""
+    from k3lab.pipeline.sources import open_source
+
+    source = open_source(spec or req.source(), fresh=True)
+    source.fetch_meta()
+    return source
+
+
+@contextlib.contextmanager
+def opened_source(req: Request) -> Iterator[Any]:
+    """The request's source, opened fresh with its metadata, and closed (downloads removed) after."""
+
+    with scratch(req) as tmp:
+        source = opened(req, req.source(tmp))
+        try:
+            yield source
+        finally:
+            source.close()
+
+
+def check_logits(
+    req: Request, gguf: str, prompt: str | None, tokens: list[int] | None, threshold: float, mode: str
+) -> tuple[Any, Any]:
+    """The reference forward on the source against llama.cpp on ``gguf``: the whole model (for
+    information) and every stage of llama.cpp's graph (the verdict)."""
+    from k3lab.kimi_k3.logits import check_logits as whole_model
+    from k3lab.kimi_k3.logits import check_stages
+
+    with opened_source(req) as source:
+        report = whole_model(source, gguf, prompt, tokens, threshold, mode)
+        return report, check_stages(source, gguf, report.tokens, mode)
+
+
+def batch(req: Request, notebook: str, workers: int, run_id: str | None, runs_dir: str) -> tuple[Path, list]:
+    """``notebook`` once per requested shard with papermill, as part of one run holding the folder."""
+    from k3lab.pipeline.running.batch import run_batch
+    from k3lab.pipeline.running.runner import start_run
+
+    with start_run(req.load_model(), req.output_source(), req.out_dir, shards=req.shards) as (
+        _,
+        token,
+        numbers,
+    ):
+        return run_batch(
+            notebook,
+            req.meta,
+            req.src or req.meta,
+            req.out_dir,
+            numbers,
+            req.scheduler,
+            workers,
+            run_id,
+            runs_dir,
+            run_token=token,
+        )

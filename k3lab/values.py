@@ -1,0 +1,85 @@
+"""Values from a user, checked against what they can mean before anything uses them: the CLI's
+argument types and ``request.Request`` (which notebooks make directly) check them the same way, and
+a bad one is one line naming the flag."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+from k3lab.errors import K3LabError
+
+MAX_JOBS = 256  # processes on one machine
+MAX_SECONDS = 7 * 86400.0  # a week: no wait k3lab takes is meant to be longer
+_NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?"
+REPO_ID = re.compile(f"{_NAME}/{_NAME}")
+
+
+class ValueProblem(K3LabError):
+    """A value that cannot mean anything here; the message names the flag."""
+
+
+def count(value: object, low: int, high: int, flag: str) -> int:
+    """A whole number in [low, high] (text in ASCII digits, or an int)."""
+    text = str(value).strip()
+    ok = (isinstance(value, int) and not isinstance(value, bool)) or bool(re.fullmatch(r"[0-9]{1,12}", text))
+    if not ok or not low <= int(text) <= high:
+        raise ValueProblem(f"argument {flag}: {value!r} is outside {low}..{high}")
+    return int(text)
+
+
+def seconds(value: object, flag: str, positive: bool = False) -> float:
+    """A number of seconds, 0 (or above 0 when ``positive``) to a week: 0 means zero (no wait, no
+    retry), never a default."""
+    text = str(value).strip().lower()
+    try:
+        number = float(text) if re.fullmatch(r"[0-9.e+-]+", text) else math.nan
+    except ValueError:
+        number = math.nan
+    if not 0 <= number <= MAX_SECONDS or (positive and number == 0):
+        raise ValueProblem(f"argument {flag}: {value!r} is not a number of seconds (0 to {MAX_SECONDS:.0f})")
+    return number
+
+
+def repo_id(value: object, flag: str) -> str:
+    """A Hub repo as ORG/NAME (huggingface_hub's rules for the names)."""
+    text = str(value)
+    if REPO_ID.fullmatch(text) and ".." not in text and "--" not in text and not text.endswith(".git"):
+        return text
+    raise ValueProblem(
+        f"argument {flag}: {text!r} is not a Hub repo: give ORG/NAME (letters, digits, '.', '_', '-')"
+    )
+
+
+def token_ids(value: str, flag: str) -> list[int]:
+    """Token ids as ``1,2,3`` or ``1 2 3``."""
+    try:
+        return [count(t, 0, 2**31 - 1, flag) for t in value.replace(",", " ").split()]
+    except ValueProblem:
+        raise ValueProblem(f"argument {flag}: {value!r}: give token ids, e.g. 1,2,3") from None
+
+
+def positive(value: object, flag: str) -> float:
+    """A finite number above 0."""
+    try:
+        number = float(str(value))
+    except ValueError:
+        number = math.nan
+    if not (math.isfinite(number) and number > 0):
+        raise ValueProblem(f"argument {flag}: {value!r} is not a number above 0")
+    return number
+
+
+def argument(check: Callable[..., Any], *bounds: object) -> Callable[[str], Any]:
+    """One of these checks as an argparse type (argparse names the flag in its message)."""
+    import argparse
+
+    def parse(text: str) -> Any:
+        try:
+            return check(text, *bounds, "")
+        except ValueProblem as e:
+            raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
+
+    return parse
