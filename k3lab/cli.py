@@ -22,6 +22,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"k3lab: error: {message}\n")
 
 
+SAMPLE = values.argument(values.count, 1, 1000)
 JOBS, SEED, EXPERTS = (
     values.argument(values.count, *n) for n in ((1, values.MAX_JOBS), (0, 2**32 - 1), (1, 4096))
 )
@@ -70,15 +71,11 @@ def _publish(req: Request, args: argparse.Namespace) -> int:
 
 
 def _verify(req: Request, args: argparse.Namespace) -> int:
-    report, rederived = request.verify(req, args.manifest)
-    status = "OK" if report.ok else f"FAILED: {len(report.found)} problem(s)"
-    for line in report.lines():
-        print(line)
-    print(
-        f"verify {status}: {report.files} files, {report.tensors} tensors, {report.bytes} bytes checked"
-        + (" and re-derived from the source" if rederived else "")
+    verified = request.verify(
+        req, args.manifest, args.all, args.sample, args.tensors, args.seed, args.source_revision
     )
-    return 0 if report.ok else 1
+    print("\n".join(verified.lines()))
+    return 0 if verified.report.ok else 1
 
 
 def _check_logits(req: Request, args: argparse.Namespace) -> int:
@@ -222,10 +219,19 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--mode", choices=["ggml", "f32"], default="ggml", help="ggml: round as llama.cpp does")
     cl.add_argument("--blocks", action="store_true", help="print every position and every stage")
 
-    v = command("verify", _verify, "check a converted set against its manifest (and the source)")
-    v.add_argument("out_dir")
+    v = command(
+        "verify", _verify, "check a set (a folder, or ORG/NAME on the Hub) against its manifest, source"
+    )
+    v.add_argument("out_dir", metavar="OUT_DIR|ORG/NAME")
     v.add_argument("--manifest", help="default: OUT_DIR/MANIFEST.json")
     _flags(v, SOURCE_FLAGS)  # with --src or --repo: re-derive every tensor from it
+    v.add_argument(
+        "--source-revision", help="with ORG/NAME: the revision of --repo (--revision is the set's)"
+    )
+    v.add_argument("--all", action="store_true", help="every tensor's bytes (a folder: the default)")
+    v.add_argument("--sample", type=SAMPLE, help="N random tensors per file (of 16 MiB or less)")
+    v.add_argument("--tensors", metavar="GLOB", help="the tensors whose names match GLOB")
+    v.add_argument("--seed", type=SEED, help="the sample's seed (default: random, printed)")
     v.add_argument("--quiet", action="store_true")
 
     lb = command("lab", _front("k3lab.lab", "lab_cli"), "JupyterLab on the notebooks (saved without outputs)")

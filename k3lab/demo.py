@@ -70,7 +70,7 @@ def run_demo(workdir: str | Path, seed: int = 0, jobs: int = 2, model: str = "ki
         step("vision", t, f"{mmproj.name} ({human_bytes(mmproj.stat().st_size)})")
 
     t = time.perf_counter()
-    report, _ = request.verify(req)
+    report = request.verify(req).report
     step(
         "verify",
         t,

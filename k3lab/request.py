@@ -244,20 +244,69 @@ def publish(req: Request, say: Say | None = None) -> tuple[int, int, str | None,
     return pushed, kept, commit, publication.target.where()
 
 
-def verify(req: Request, manifest: str | None = None) -> tuple[Any, bool]:
-    """Check the set in ``out_dir`` (and, with a source, re-derive it): the report, and whether it
-    was re-derived."""
+def is_repo(target: str) -> bool:
+    """Whether ``verify``'s target is a Hub repo (``ORG/NAME`` that is no local folder)."""
+    return not Path(target).exists() and bool(values.REPO_ID.fullmatch(target))
+
+
+def verify(
+    req: Request,
+    manifest: str | None = None,
+    every: bool = False,
+    sample: int | None = None,
+    tensors: str | None = None,
+    seed: int | None = None,
+    source_revision: str | None = None,
+) -> Any:
+    """Check the set in ``out_dir``: a folder, or a Hub repo (``ORG/NAME``, read by ranges at the
+    request's ``revision``; the source's is then ``source_revision``); with a source, re-derive it.
+    The tensors whose bytes are checked: ``every``, ``sample`` per file (``seed``), those matching
+    ``tensors`` (a folder: every one when none of these is given; a repo: none)."""
+    import random
+
+    from k3lab.pipeline.checking.hub_set import Choice
+    from k3lab.pipeline.checking.report import Verified
     from k3lab.pipeline.checking.verify import verify as verify_set
 
+    remote = bool(req.out_dir) and is_repo(req.out_dir or "")
+    if source_revision is not None and not remote:
+        raise K3LabError("--source-revision is for verifying a set on the Hub (ORG/NAME): give --revision")
+    set_revision = req.revision if remote else None
+    if remote:
+        req = dataclasses.replace(req, revision=source_revision)
     rederive = req.src is not None or req.repo is not None
     if rederive and req.meta is None:
         if req.repo:
             raise K3LabError("--repo needs --meta (a folder for the config, index and tokenizer files)")
         req = dataclasses.replace(req, meta=req.src)
-    with scratch(req) as tmp:
-        spec = req.source(tmp) if rederive else None
-        report = verify_set(req.out_dir, manifest, spec, req.load_model(), quiet=req.quiet)
-    return report, rederive
+    seed = random.randrange(2**32) if seed is None else seed
+    picked = bool(every or sample or tensors)
+    choice = Choice(every, sample, tensors, seed) if picked or remote else None
+    if remote:
+        report = _verify_repo(req, choice, set_revision, rederive)
+    else:
+        with scratch(req) as tmp:
+            spec = req.source(tmp) if rederive else None
+            report = verify_set(req.out_dir, manifest, spec, req.load_model(), quiet=req.quiet, choice=choice)
+    return Verified(report, rederive, remote, sample, seed, picked)
+
+
+def _verify_repo(req: Request, choice: Any, revision: str | None, rederive: bool) -> Any:
+    from huggingface_hub import constants, get_token
+
+    from k3lab.pipeline.checking.hub_set import Choice, open_repo, verify_repo
+    from k3lab.pipeline.sources.retry import RETRY_BUDGET
+
+    budget = RETRY_BUDGET if req.retry_budget is None else req.retry_budget
+    files = open_repo(req.out_dir or "", revision, constants.ENDPOINT, get_token(), budget)
+    source = opened(req) if rederive else None
+    try:
+        report = verify_repo(files, choice or Choice(), req.load_model(), source)
+    finally:
+        if source is not None:
+            source.close()
+    report.read = files.read
+    return report
 
 
 def vision(req: Request, out: str) -> Path:
@@ -285,7 +334,7 @@ def prepared(req: Request) -> tuple[Any, Any]:
     options, _ = req.run_options()
     spec = req.output_source()
     source = opened(req, spec)
-    return prepare(req.load_model(), spec, req.out_dir or "", options)[0], source
+    return prepare(req.load_model(), spec, req.out_dir or "", options, source=source)[0], source
 
 
 def opened(req: Request, spec: SourceSpec | None = None) -> Any:

@@ -31,12 +31,78 @@ HEADER_READ = (
 
 
 def git_blob_id(data: bytes) -> str:
+    if isinstance(data, FileBlob):
+        return data.git_id()
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def sha256_of(data: bytes) -> str:
+    return data.sha256() if isinstance(data, FileBlob) else hashlib.sha256(data).hexdigest()
+
+
+class FileBlob:
+    """A large file served from disk, never read whole (the real-size `full` checkpoint, sparse; a
+    full-size GGUF set). Files over ``HASHED`` bytes get a stand-in oid (the test Hub does not hash
+    terabytes of holes): a client that downloads one whole would see a mismatch; tests read them by
+    ranges only."""
+
+    HASHED = 256 << 20
+
+    def __init__(self, path: Path):
+        self.path, self.size = Path(path), Path(path).stat().st_size
+        self._sha: str | None = None
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, s: slice) -> bytes:
+        start, stop, _ = s.indices(self.size)
+        with open(self.path, "rb") as fh:
+            fh.seek(start)
+            return fh.read(max(0, stop - start))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, FileBlob):
+            return self.path == other.path
+        return isinstance(other, (bytes, bytearray)) and len(other) == self.size and self[:] == other
+
+    __hash__ = object.__hash__
+
+    def sha256(self) -> str:
+        if self._sha is None:
+            if self.size > self.HASHED:
+                self._sha = hashlib.sha256(f"unhashed:{self.path}:{self.size}".encode()).hexdigest()
+            else:
+                h = hashlib.sha256()
+                with open(self.path, "rb") as fh:
+                    while chunk := fh.read(1 << 24):
+                        h.update(chunk)
+                self._sha = h.hexdigest()
+        return self._sha
+
+    def git_id(self) -> str:
+        return hashlib.sha1(f"blob {self.size}:{self.sha256()}".encode()).hexdigest()
+
+
+def load_files(root: Path, large: int | None = None) -> dict[str, bytes]:
+    """A folder's files by path; those over ``large`` bytes served from disk (``FileBlob``)."""
+    return {
+        p.relative_to(root).as_posix(): (
+            FileBlob(p) if large is not None and p.stat().st_size > large else p.read_bytes()
+        )
+        for p in sorted(Path(root).rglob("*"))
+        if p.is_file()
+    }
 
 
 class HubServer:
     def __init__(
-        self, root: Path, repo: str = "moonshotai/Kimi-K3", faults: bool = False, token: str | None = None
+        self,
+        root: Path,
+        repo: str = "moonshotai/Kimi-K3",
+        faults: bool = False,
+        token: str | None = None,
+        large: int | None = None,
     ):
         self.repo, self.faults, self.token = repo, faults, token
         self.lock = threading.Lock()
@@ -49,14 +115,12 @@ class HubServer:
         self.cut: set[str] = set()
         self.count = 0
         self.throttle: float | None = None  # bytes per second per download
+        self.link: float | None = None  # bytes per second of every answer's body together (one link)
+        self._link_free = 0.0
         self._down_until = 0.0
         self.dropped = 0  # connections dropped by an outage
         self.corrupt: set[str] = set()  # paths served with one byte flipped (their listing unchanged)
-        files = {
-            p.relative_to(root).as_posix(): p.read_bytes()
-            for p in sorted(Path(root).rglob("*"))
-            if p.is_file()
-        }
+        files = load_files(root, large)
         self.repos: dict[str, tuple[dict[str, dict[str, bytes]], dict[str, str]]] = {repo: ({}, {})}
         self.blobs: dict[str, bytes] = {}  # LFS objects uploaded, by SHA-256
         self.uploads: list[str] = []  # oids PUT, in order
@@ -68,6 +132,7 @@ class HubServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # (else every small answer waits ~40 ms for a delayed ACK)
 
             def log_message(self, *args) -> None:  # quiet
                 pass
@@ -146,6 +211,7 @@ class HubServer:
             "HF_HOME": str(tmp / "hf-home"),
             "HF_HUB_DISABLE_TELEMETRY": "1",
             "HF_HUB_DISABLE_XET": "1",
+            "K3LAB_CACHE": str(tmp / "k3lab-cache"),
         }
         if token:
             env["HF_TOKEN"] = token
@@ -205,7 +271,7 @@ class HubServer:
         for path, data in sorted(self.repos[repo][0][commit].items()):
             s = {"rfilename": path, "size": len(data), "blobId": git_blob_id(data)}
             if path.endswith(LFS_SUFFIXES):
-                s["lfs"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "pointerSize": 134}
+                s["lfs"] = {"size": len(data), "sha256": sha256_of(data), "pointerSize": 134}
             siblings.append(s)
         body = json.dumps(
             {"id": repo, "modelId": repo, "sha": commit, "private": False, "siblings": siblings}
@@ -229,7 +295,7 @@ class HubServer:
                 continue
             e = {"type": "file", "path": path, "size": len(data), "oid": git_blob_id(data)}
             if path.endswith(LFS_SUFFIXES):
-                e["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+                e["lfs"] = {"oid": sha256_of(data), "size": len(data), "pointerSize": 134}
             entries.append(e)
         self._json(h, entries)
 
@@ -282,7 +348,7 @@ class HubServer:
             return self._hostile(h, mode, m["file"], start, end, size)
         h.send_response(status)
         h.send_header("X-Repo-Commit", commit)
-        h.send_header("ETag", f'"{hashlib.sha256(data).hexdigest() if lfs else git_blob_id(data)}"')
+        h.send_header("ETag", f'"{sha256_of(data) if lfs else git_blob_id(data)}"')
         h.send_header("Accept-Ranges", "bytes")
         h.send_header("Content-Type", "application/octet-stream")
         h.send_header("Content-Length", str(end - start + 1))
@@ -292,10 +358,11 @@ class HubServer:
         if head:
             return
         if m["file"] in self.corrupt:
-            flipped = bytearray(data)
+            flipped = bytearray(data[:])
             flipped[-1] ^= 0x01
             data = bytes(flipped)
-        body = memoryview(data)[start : end + 1]
+        body = data if isinstance(data, FileBlob) else memoryview(data)
+        body = _Window(body, start, end + 1)
         cut = False
         with self.lock:
             # cut a transfer of each large file that runs to its end, once, and not the file's first
@@ -318,15 +385,32 @@ class HubServer:
             for i in range(0, len(body), step):
                 if time.monotonic() < self._down_until:  # an outage cuts transfers in flight too
                     return self._drop(h)
+                chunk = body[i : i + step]
+                self._pace(len(chunk))
                 try:
-                    h.wfile.write(body[i : i + step])
+                    h.wfile.write(chunk)
                 except OSError:  # the client went away (a cancelled download)
                     return
-                sent += len(body[i : i + step])
+                sent += len(chunk)
                 if self.throttle and (end == size - 1 or end - start + 1 > HEADER_READ):
                     time.sleep(min(len(body) - i, step) / self.throttle)  # (headers: planning stays quick)
         finally:
             self._served(m["file"], rng, sent)
+
+    def _pace(self, n: int) -> None:
+        """Hold a chunk until the one link (``link`` bytes/s, shared by every answer) can carry it."""
+        if not self.link:
+            return
+        with self.lock:
+            now = time.monotonic()
+            start = max(now, self._link_free)
+            self._link_free = start + n / self.link
+        time.sleep(max(0.0, self._link_free - now))
+
+    def add_repo(self, repo: str, root: Path, large: int | None = 1 << 20) -> str:
+        """Serve a folder (a GGUF set) as another repo; returns its commit."""
+        self.repos[repo] = ({}, {})
+        return self._new_commit(load_files(root, large), "a folder", repo)
 
     def _served(self, path: str, rng: str, n: int) -> None:
         with self.lock:
@@ -509,3 +593,17 @@ class HubServer:
                 objects.append(entry)
             return self._json(h, {"transfer": "basic", "objects": objects})
         return self._error(h, 404, "", f"no such endpoint: {method} {path}")
+
+
+class _Window:
+    """Bytes [start, stop) of a body (bytes or a FileBlob), sliced relative to ``start``."""
+
+    def __init__(self, data: object, start: int, stop: int):
+        self.data, self.start, self.stop = data, start, stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, s: slice) -> bytes:
+        a, b, _ = s.indices(len(self))
+        return bytes(self.data[self.start + a : self.start + b])

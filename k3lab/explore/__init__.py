@@ -9,11 +9,11 @@ the same request as the CLI), ``layouts`` (01), ``scales`` (02, 03), ``vision`` 
 
 from __future__ import annotations
 
-from k3lab.explore.layouts import planned_by_source, shard_rows
-from k3lab.explore.opening import convert, open_checkpoint, open_conversion, source_spec
+from k3lab.explore.layouts import derive_tensor, planned_by_source, shard_rows
+from k3lab.explore.opening import convert, fetched, open_checkpoint, open_conversion, source_spec
 from k3lab.explore.paths import HOME_ENV, home, resolve, save_result
 from k3lab.explore.scales import PROJ_NAMES, ScaleStats, expert_codes, first_block, scale_stats
-from k3lab.explore.sets import manifest_summary
+from k3lab.explore.sets import manifest_summary, repo_summary, verify
 from k3lab.explore.tables import html_table
 from k3lab.explore.vision import tokenize_with_merges, vision_blocks, weight_stats
 
@@ -22,7 +22,9 @@ __all__ = [
     "PROJ_NAMES",
     "ScaleStats",
     "convert",
+    "derive_tensor",
     "expert_codes",
+    "fetched",
     "first_block",
     "home",
     "html_table",
@@ -30,12 +32,14 @@ __all__ = [
     "open_checkpoint",
     "open_conversion",
     "planned_by_source",
+    "repo_summary",
     "resolve",
     "save_result",
     "scale_stats",
     "shard_rows",
     "source_spec",
     "tokenize_with_merges",
+    "verify",
     "vision_blocks",
     "weight_stats",
 ]

@@ -55,3 +55,40 @@ def shard_rows(plan: Plan, source: Source, shard: int, by_source: dict | None = 
             }
         )
     return rows
+
+
+def derive_tensor(plan: Plan, source: Source, shard: int, name: str | None = None) -> dict[str, Any]:
+    """One output tensor of output file ``shard`` made from the source by the converter's own stream
+    (a Hub source reads exactly its source tensors' bytes): its sources, the first bytes in and out,
+    and the SHA-256 of its GGML bytes, which the file's record (and ``verify``) has too."""
+    import hashlib
+
+    import numpy as np
+
+    from k3lab.pipeline.writing.convert import Reader, tensor_pieces
+
+    pf = plan.file(shard)
+    pt = next((t for t in pf.tensors if name in (None, t.name)), None)
+    if pt is None:
+        raise K3LabError(f"output file {shard}: no tensor {name}")
+    entries, _ = source.shard_header(pf.source_file)
+    h, first, n = hashlib.sha256(), b"", 0
+    for piece in tensor_pieces(pt, Reader(source, entries)):
+        data = memoryview(np.ascontiguousarray(piece)).cast("B")
+        first = first or bytes(data[:32])
+        h.update(data)
+        n += len(data)
+    src = entries[pt.sources[0]]
+    head = np.asarray(source.rows(pt.sources[0], 0, 1)).tobytes()[:32]
+    return {
+        "gguf": pt.name,
+        "type": pt.info.type.name,
+        "ne": list(pt.info.ne),
+        "transform": pt.transform,
+        "sources": len(pt.sources),
+        "first source": f"{pt.sources[0]} ({src.dtype} {list(src.shape)})",
+        "source bytes": head.hex(" "),
+        "gguf bytes": first.hex(" "),
+        "nbytes": n,
+        "sha256": h.hexdigest(),
+    }

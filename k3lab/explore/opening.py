@@ -79,3 +79,16 @@ def open_checkpoint(
     req = _request(meta or src, src, repo, revision)
     source = request.opened(req)
     return req.load_model().load_config(Path(req.meta)), source
+
+
+def fetched(source: Any) -> str:
+    """What a view cost: for a Hub source, the bytes fetched by ranges (and served from the cache)."""
+    from k3lab.util import human_bytes
+
+    counts = getattr(source, "counts", None)
+    if counts is None:
+        return "read from the local copy: nothing fetched"
+    return (
+        f"fetched {human_bytes(counts.fetched)} from the Hub in {counts.requests} ranged reads "
+        f"({human_bytes(counts.cached)} more from the cache)"
+    )

@@ -92,8 +92,8 @@ def first_block(
 ) -> dict[str, Any]:
     """One 32-value block before and after the repack: the 16 + 1 source bytes and the 17 ggml bytes."""
     base = expert_tensor(layer, expert, proj, "")
-    packed = np.asarray(source.array(base + "weight_packed"))[row : row + 1, block * 16 : block * 16 + 16]
-    scale = np.asarray(source.array(base + "weight_scale"))[row : row + 1, block : block + 1]
+    packed = np.asarray(source.rows(base + "weight_packed", row, row + 1))[:, block * 16 : block * 16 + 16]
+    scale = np.asarray(source.rows(base + "weight_scale", row, row + 1))[:, block : block + 1]
     ggml = mxfp4.repack(packed, scale)
     return {
         "tensor": base + "weight_packed",

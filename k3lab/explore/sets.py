@@ -53,3 +53,50 @@ def manifest_summary(out_dir: str | Path, model: Model | None = None) -> list[di
                 }
             )
     return sorted(rows, key=lambda r: (r["kind"] != "text", r["file"]))
+
+
+def verify(
+    out_dir: str | Path,
+    only: set[str] | None = None,
+    repo: str | None = None,
+    revision: str | None = None,
+    sample: int | None = None,
+    seed: int = 0,
+) -> Any:
+    """``k3lab verify``: a converted set in ``out_dir`` (``only`` those files), or a set on the Hub
+    (``repo`` at ``revision``: its headers, and ``sample`` tensors per file, by ranges). The report."""
+    from k3lab import request
+    from k3lab.pipeline.checking.verify import verify as verify_folder
+
+    if repo is None:
+        return verify_folder(out_dir, quiet=True, only=only)
+    req = request.Request(out_dir=repo, revision=revision, quiet=True)
+    return request.verify(req, sample=sample, seed=seed).report
+
+
+def repo_summary(repo: str, revision: str | None = None) -> list[dict[str, Any]]:
+    """Per file of a GGUF set on the Hub, from its header alone (read by ranges): tensors, bytes,
+    types, and its split number."""
+    from huggingface_hub import constants, get_token
+
+    from k3lab.pipeline.checking.hub_set import open_repo
+    from k3lab.pipeline.checking.remote import read_header, split_sets
+    from k3lab.pipeline.sources.retry import RETRY_BUDGET
+
+    files = open_repo(repo, revision, constants.ENDPOINT, get_token(), RETRY_BUDGET)
+    rows = []
+    for names in split_sets(sorted(files.sizes)).values():
+        for name in names:
+            h = read_header(name, files.sizes[name], files.fetch)
+            types = Counter(t.type for t in h.tensors)
+            rows.append(
+                {
+                    "file": name,
+                    "split": h.split("split.no"),
+                    "tensors": len(h.tensors),
+                    "bytes": h.size,
+                    "types": ", ".join(f"{k} {v}" for k, v in sorted(types.items())),
+                    "header read": h.fetched,
+                }
+            )
+    return rows

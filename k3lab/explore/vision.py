@@ -14,12 +14,13 @@ from k3lab.kimi_k3.tokenizer import build_vocabulary, read_tiktoken
 from k3lab.pipeline.sources.base import Source
 
 
-def weight_stats(source: Source, names: list[str]) -> list[dict[str, Any]]:
-    """mean, std and max |x| of float tensors (BF16 widened exactly)."""
+def weight_stats(source: Source, names: list[str], sample_rows: int | None = None) -> list[dict[str, Any]]:
+    """mean, std and max |x| of float tensors (BF16 widened exactly); of their first ``sample_rows``
+    rows only when given (what a Hub source then fetches)."""
     rows = []
     for n in names:
         e = source.entry(n)
-        a = np.asarray(source.array(n))
+        a = np.asarray(source.rows(n, 0, sample_rows))
         v = bf16_bits_to_f32(a) if e.dtype == "BF16" else a.astype(np.float32)
         rows.append(
             {
@@ -33,12 +34,13 @@ def weight_stats(source: Source, names: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def vision_blocks(cfg: K3Config, source: Source) -> list[dict[str, Any]]:
-    """The MoonViT tower block by block: parameter count and weight spread of each block."""
+def vision_blocks(cfg: K3Config, source: Source, sample_rows: int | None = None) -> list[dict[str, Any]]:
+    """The MoonViT tower block by block: parameter count and weight spread of each block (the spread
+    of the first ``sample_rows`` rows of each tensor when given)."""
     rows = []
     for i in range(int(cfg.vision["vt_num_hidden_layers"])):
         names = sorted(n for n in source.weight_map if n.startswith(vision_block_prefix(i)))
-        stats = weight_stats(source, names)
+        stats = weight_stats(source, names, sample_rows)
         rows.append(
             {
                 "block": i,

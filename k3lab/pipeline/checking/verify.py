@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import gguf
 import numpy as np
 from tqdm import tqdm
 
+from k3lab.pipeline.checking.report import Report
 from k3lab.pipeline.model import Model
 from k3lab.pipeline.progress import TaskReport
 from k3lab.pipeline.sources import open_source
@@ -28,75 +28,11 @@ from k3lab.pipeline.writing.folder import OutputFolder
 from k3lab.pipeline.writing.proof import Problem, check_bytes
 from k3lab.pipeline.writing.record import ManifestError, Record
 
-SUMMARY_LINES = 5  # a damaged set is told in at most this many lines
 SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = (
     gguf.Keys.Split.LLM_KV_SPLIT_NO,
     gguf.Keys.Split.LLM_KV_SPLIT_COUNT,
     gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT,
 )
-
-
-@dataclass
-class Report:
-    """What ``verify`` found: every problem (``proof.Problem``), and what it checked."""
-
-    found: list[Problem] = field(default_factory=list)
-    files: int = 0
-    tensors: int = 0
-    bytes: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return not self.found
-
-    @property
-    def problems(self) -> list[str]:
-        return [p.text for p in self.found]
-
-    def add(self, kind: str, file: str, text: str) -> None:
-        self.found.append(Problem(kind, file, text))
-
-    def lines(self, limit: int = SUMMARY_LINES) -> list[str]:
-        """The problems in at most ``limit`` lines: each one, while they fit; else one line per kind
-        (which files are truncated, foreign, junk, swapped ...), and the count of what is left."""
-        if len(self.found) <= limit:
-            return self.problems
-        kinds: dict[str, list[Problem]] = {}
-        for p in self.found:
-            kinds.setdefault(p.kind, []).append(p)
-        groups: list[tuple[int, str]] = []
-        for kind, found in kinds.items():
-            files = list(dict.fromkeys(p.file for p in found if p.file))
-            shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
-            line = f"{len(found)} problems: {KIND_NAMES.get(kind, kind)}" + (
-                f" ({len(files)} files: {shown})" if files else ""
-            )
-            groups.append((len(found), found[0].text if len(found) == 1 else line))
-        if len(groups) > limit:
-            rest = sum(n for n, _ in groups[limit - 1 :])
-            groups = groups[: limit - 1] + [(rest, f"... and {rest} more problems of other kinds")]
-        return [line for _, line in groups]
-
-
-KIND_NAMES = {
-    "missing": "missing files",
-    "truncated": "truncated files",
-    "longer": "files longer than recorded",
-    "foreign": "files not from this conversion (every tensor differs)",
-    "junk": "files that are not GGUF",
-    "swapped": "files holding another file of the set",
-    "header": "headers differ from the manifest",
-    "padding": "non-zero padding",
-    "tensor": "tensors differ from the manifest",
-    "stray": ".gguf files in the folder that are not part of the set",
-    "not-a-file": "names that are not regular files",
-    "split": "split keys that disagree",
-    "set": "the manifest disagrees with itself",
-    "unlisted": "split files the manifest does not list (not converted yet?)",
-    "plan": "records the folder's plan contradicts",
-    "stale": "files made from other inputs (convert again)",
-    "rederive": "tensors the source re-derives differently",
-}
 
 
 def load_manifest(out_dir: Path, manifest: str | Path | None) -> list[Record]:
@@ -135,6 +71,7 @@ def verify(
     model: Model | None = None,
     quiet: bool = False,
     only: set[str] | None = None,
+    choice: Any = None,
 ) -> Report:
     """Check the split set in ``out_dir`` against its manifest; with ``model``, also against the
     folder's plan; with ``source`` (local or the Hub: any source kind) and ``model``, re-derive every
@@ -186,8 +123,14 @@ def verify(
             if t.name in names and rec.is_text:
                 report.add("set", rec.file, f"{rec.file}: tensor {t.name}: also in {names[t.name]}")
             names[t.name] = rec.file
-        found = check_bytes(path, rec, bar.update)
-        report.tensors += len(rec.tensors) if not found or found[0].kind not in WHOLE_FILE else 0
+        chosen = (
+            set(choice.pick(rec.file, {t.name: t.nbytes for t in rec.tensors}))
+            if choice is not None
+            else None
+        )
+        found = check_bytes(path, rec, bar.update, chosen)
+        if not found or found[0].kind not in WHOLE_FILE:
+            report.tensors += len(rec.tensors) if chosen is None else len(chosen)
         if not rec.is_text or (found and found[0].kind == "junk"):
             report.found += found
             continue

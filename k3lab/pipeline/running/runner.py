@@ -25,7 +25,7 @@ from k3lab.pipeline.publishing.publish import Committer, Publication, open_commi
 from k3lab.pipeline.running.processes import run_here, run_pool
 from k3lab.pipeline.running.task import Task, run_task
 from k3lab.pipeline.sources import open_source
-from k3lab.pipeline.sources.base import SourceSpec
+from k3lab.pipeline.sources.base import Source, SourceSpec
 from k3lab.pipeline.writing.convert import FileResult
 from k3lab.pipeline.writing.folder import OutputFolder, check_basename
 from k3lab.pipeline.writing.record import Published
@@ -76,15 +76,18 @@ def prepare(
     out_dir: str | Path,
     options: RunOptions = RunOptions(),
     say: Callable[[str], None] | None = None,
+    source: Source | None = None,
 ) -> tuple[Plan, list | None]:
     """The plan for this output folder, every input checked: the saved one when it can be trusted
     and its inputs are unchanged, else a new one with the KVs to save (``say`` hears which files a
-    moved source changes). Writes nothing."""
+    moved source changes). Reads through ``source`` when given (a notebook's, which then knows what
+    was fetched). Writes nothing."""
     basename = check_basename(model.default_basename if options.basename is None else options.basename)
     folder = OutputFolder(out_dir)
     folder.check_state_dir()
-    source = open_source(spec, fresh=True)
-    source.fetch_meta()
+    if source is None:
+        source = open_source(spec, fresh=True)
+        source.fetch_meta()
     saved = folder.load_plan(model)
     if saved is not None and still_current(
         saved, source, plan_options(options.outtype, basename, options.chat_template)

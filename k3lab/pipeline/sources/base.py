@@ -272,6 +272,11 @@ class Source(abc.ABC):
                 self._fds[file] = fd
         return fd
 
+    def rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows ``[start, stop)`` of a tensor (its first axis), read-only: what a view shows of it.
+        The Hub source reads only those bytes (``hub``); here they are mapped."""
+        return self.array(name)[start:stop]
+
     def array(self, name: str) -> np.ndarray:
         """A whole tensor as a read-only memory map (the reference and the notebooks; never the
         converter). Its shard is acquired first (the Hub: downloaded) and kept until released."""
@@ -315,3 +320,19 @@ class Source(abc.ABC):
         """What the plan records of a shard it was made from."""
         size = sum(e.nbytes for e in self.header(file).values())
         return {"data_bytes": size, **self.shard_fingerprint([file])[file]}
+
+
+def _row_range(e: TensorEntry, start: int, stop: int | None) -> tuple[int, int]:
+    """The byte range (within a tensor's data) of rows ``[start, stop)``."""
+    rows = e.shape[0] if e.shape else 1
+    stop = rows if stop is None else min(stop, rows)
+    start = min(max(start, 0), stop)
+    row = e.nbytes // rows if rows else 0
+    return start * row, stop * row
+
+
+def _row_shape(e: TensorEntry, start: int, stop: int | None) -> tuple[int, ...]:
+    if not e.shape:
+        return ()
+    stop = e.shape[0] if stop is None else min(stop, e.shape[0])
+    return (stop - min(max(start, 0), stop), *e.shape[1:])

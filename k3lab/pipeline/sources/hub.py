@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from k3lab.errors import K3LabError
 from k3lab.formats.files import (
     parse_json,
@@ -51,10 +53,11 @@ from k3lab.formats.files import (
     write_atomically,
 )
 from k3lab.formats.hashing import git_blob_hash
-from k3lab.formats.safetensors import MAX_HEADER
+from k3lab.formats.safetensors import MAX_HEADER, NUMPY_DTYPE, TensorEntry
 from k3lab.pipeline.progress import NO_REPORT, Cancelled, TaskReport
 from k3lab.pipeline.sources import http
-from k3lab.pipeline.sources.base import META_LIMIT, Source, SourceError, SourceSpec
+from k3lab.pipeline.sources.base import META_LIMIT, Source, SourceError, SourceSpec, _row_range, _row_shape
+from k3lab.pipeline.sources.ranges import RangeCache
 from k3lab.pipeline.sources.retry import (
     RETRY_BUDGET,
     HubError,
@@ -66,8 +69,8 @@ from k3lab.pipeline.sources.slots import Slot, sweep_scratch
 
 __all__ = ["HubError", "HubSource", "HubUnreachable", "RETRY_BUDGET", "hub_spec", "with_retries"]
 
+WINDOW = 16 << 20  # a ranged read of a tensor reads this much of it at once (bounded memory)
 PREFETCH_AHEAD = 1  # shards downloaded ahead of the one converting: at most two on disk per process
-HEADER_PROBE = 1 << 20  # the first ranged read; most headers fit in it
 FETCHED = ".k3lab-fetched.json"  # in meta: the metadata files k3lab fetched, and their hashes
 
 
@@ -152,6 +155,10 @@ class HubSource(Source):
         self._pool: ThreadPoolExecutor | None = None
         self._closing = threading.Event()
         self._state = threading.Lock()
+        self.cache = RangeCache()
+        self._labels: dict[str, str] = {}  # how entries name their file -> the file
+        self._window: dict[str, tuple[int, bytes]] = {}  # file -> (offset, bytes) last read by map
+        self.counts = self.cache.counts  # bytes fetched by ranges (and served from the cache)
         fold_hf_logging()
         http.install()
 
@@ -366,28 +373,72 @@ class HubSource(Source):
             self._pool = None
         self._closing.clear()
 
-    def _fetch_raw_header(self, file: str) -> tuple[bytes, int]:
-        """The shard's header by ranged reads at the commit (exactly the bytes asked for)."""
+    # --- byte ranges (looking inside without downloading) ---
+    def fetch(self, file: str, start: int, stop: int) -> bytes:
+        """Bytes ``[start, stop)`` of ``file`` at the pinned commit, by a ranged GET (not kept)."""
         remote = self.remote(file)
         url = http.file_url(self.repo, file, self.commit or self.revision, self.endpoint)
-        where = f"{self.where(file)} (header)"
+        where = self.where(file)
+        return with_retries(
+            where, lambda: http.fetch_range(url, start, stop, remote.size, self.token, where), self.budget
+        )
 
-        def ranged(start: int, stop: int) -> bytes:
-            return with_retries(
-                where, lambda: http.fetch_range(url, start, stop, remote.size, self.token, where), self.budget
-            )
+    def cached(self, file: str, start: int, stop: int) -> np.ndarray:
+        """Bytes ``[start, stop)`` of ``file`` through the range cache (fetched at most once)."""
+        return self.cache.read(self.remote(file).oid, start, stop, lambda a, b: self.fetch(file, a, b))
 
-        size = remote.size
+    def map(self, entry: TensorEntry, offset: int, nbytes: int) -> np.ndarray:
+        """A piece of a tensor: from the downloaded shard when this source holds it (converting),
+        else by a ranged GET, never stored (``verify`` streaming a whole set through)."""
+        file = self._labels.get(entry.file, entry.file)
+        if file in self._slots:
+            return super().map(entry, offset, nbytes)
+        if offset + nbytes > entry.nbytes:
+            raise SourceError(f"{entry.file}: tensor {entry.name}: read past its {entry.nbytes} bytes")
+        start, stop = entry.start + offset, entry.start + offset + nbytes
+        with self._state:
+            held = self._window.get(file)
+        if held is None or not held[0] <= start or stop > held[0] + len(held[1]):
+            # a window of the tensor from here (the streams read a tensor front to back, in pieces)
+            end = min(entry.start + entry.nbytes, max(stop, start + WINDOW))
+            held = (start, self.fetch(file, start, end))
+            self.counts.add(fetched=len(held[1]), requests=1)
+            with self._state:
+                self._window[file] = held
+        return np.frombuffer(held[1], dtype=np.uint8, count=nbytes, offset=start - held[0])
+
+    def will_need(self, entry: TensorEntry, offset: int, nbytes: int) -> None:
+        if self._labels.get(entry.file, entry.file) in self._slots:
+            super().will_need(entry, offset, nbytes)
+
+    def array(self, name: str) -> np.ndarray:
+        """A whole tensor, by ranges through the cache (a downloaded shard's when this source holds it)."""
+        return self.rows(name)
+
+    def rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        e, file = self.entry(name), self.weight_map[name]
+        if file in self._slots:
+            return super().rows(name, start, stop)
+        first, last = _row_range(e, start, stop)
+        data = self.cached(file, e.start + first, e.start + last)
+        return data.view(NUMPY_DTYPE[e.dtype]).reshape(_row_shape(e, start, stop))
+
+    def _parse(self, file: str) -> dict[str, TensorEntry]:
+        entries = super()._parse(file)
+        for e in entries.values():  # (an entry names its file as errors should: the repo, the commit)
+            self._labels[e.file] = file
+            break
+        return entries
+
+    def _fetch_raw_header(self, file: str) -> tuple[bytes, int]:
+        """The shard's header by ranged reads at the commit, through the cache (exactly the bytes asked)."""
+        size = self.remote(file).size
         if size < 8:
             raise SourceError(f"{self.where(file)}: {size} bytes is too short for a safetensors file")
-        head = ranged(
-            0, min(HEADER_PROBE, max(8, size // 2))
-        )  # (never the whole file: a download reads that)
-        (n,) = struct.unpack("<Q", head[:8])
+        (n,) = struct.unpack("<Q", bytes(self.cached(file, 0, 8)))
         if n > MAX_HEADER or 8 + n > size:
             raise SourceError(f"{self.where(file)}: header length {n} does not fit the file ({size} bytes)")
-        if 8 + n > len(head):
-            head += ranged(len(head), 8 + n)
+        head = bytes(self.cached(file, 0, 8 + n))  # (exactly the header: its length, then its JSON)
         return head[8 : 8 + n], size
 
 

@@ -1,0 +1,255 @@
+"""`k3lab verify ORG/NAME`: a GGUF split set in a Hub repo, checked without downloading either side.
+
+First the set's structure, from every file's header (read by ranges): every split file present, the
+split keys agreeing, every tensor once; with a source, every tensor's name, type and shape against
+the plan made from the source's config (so a set made by another tool, split another way, is checked
+too). Then the bytes of the tensors chosen (``Choice``: every one, a seeded sample per file, or a
+glob), each streamed through SHA-256 and compared with the repo's ``MANIFEST.json`` where it has one
+and, given a source, with the same tensor re-derived from the source's byte ranges by the converter's
+own transforms. Nothing is stored: the whole set can be checked with no disk.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from k3lab.errors import K3LabError
+from k3lab.pipeline.checking.remote import Header, read_header, split_sets, tensor_pieces
+from k3lab.pipeline.checking.report import Report
+from k3lab.pipeline.model import Model
+from k3lab.pipeline.sources import http
+from k3lab.pipeline.sources.retry import RETRY_BUDGET, with_retries
+from k3lab.pipeline.writing.record import (
+    MANIFEST_LIMIT,
+    MANIFEST_NAME,
+    Manifest,
+    ManifestError,
+    read_manifest,
+)
+
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
+
+
+SAMPLE_LIMIT = 16 << 20  # a sample draws among tensors this size or smaller (an expert stack is 2.9 GB)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Which tensors' bytes to check: ``every`` one, ``sample`` per file (seeded, among tensors of
+    ``SAMPLE_LIMIT`` bytes or less), or those matching the glob ``tensors``; none: the structure only."""
+
+    every: bool = False
+    sample: int | None = None
+    tensors: str | None = None
+    seed: int = 0
+
+    def pick(self, file: str, sizes: dict[str, int]) -> list[str]:
+        """The tensors of ``file`` (name -> bytes) to check."""
+        if self.every:
+            return list(sizes)
+        chosen = [n for n in sizes if self.tensors and fnmatch.fnmatchcase(n, self.tensors)]
+        if self.sample:
+            small = sorted(n for n, size in sizes.items() if size <= SAMPLE_LIMIT)
+            chosen += random.Random(f"{self.seed}:{file}").sample(small, min(self.sample, len(small)))
+        return list(dict.fromkeys(chosen))
+
+
+@dataclass
+class RepoFiles:
+    """A repo at one commit, and a ranged reader of its files (bounded, within the retry budget)."""
+
+    repo: str
+    commit: str
+    sizes: dict[str, int]
+    endpoint: str | None
+    token: str | None
+    budget: float = RETRY_BUDGET
+    read: int = 0
+
+    def fetch(self, file: str, start: int, stop: int) -> bytes:
+        url = http.file_url(self.repo, file, self.commit, self.endpoint)
+        where = f"{self.repo}@{self.commit[:12]}: {file}"
+        data = with_retries(
+            where,
+            lambda: http.fetch_range(url, start, stop, self.sizes[file], self.token, where),
+            self.budget,
+        )
+        self.read += len(data)
+        return data
+
+
+def open_repo(
+    repo: str, revision: str | None, endpoint: str | None, token: str | None, budget: float
+) -> RepoFiles:
+    from huggingface_hub import HfApi
+
+    http.install()
+    api = HfApi(endpoint=endpoint, token=token)
+    info = with_retries(
+        f"{repo}@{revision or 'main'}",
+        lambda: api.model_info(repo, revision=revision, files_metadata=True),
+        budget,
+    )
+    sizes = {s.rfilename: int(s.size or 0) for s in info.siblings or []}
+    return RepoFiles(repo, info.sha, sizes, endpoint, token, budget)
+
+
+def verify_repo(
+    files: RepoFiles,
+    choice: Choice,
+    model: Model | None = None,
+    source: Any = None,
+    say: Any = None,
+) -> Report:
+    """Check the repo's split set: structure, plan (with ``source``), and the chosen tensors' bytes."""
+    report = Report()
+    sets = split_sets(sorted(files.sizes))
+    if not sets:
+        raise K3LabError(
+            f"{files.repo}@{files.commit[:12]}: holds no GGUF split set (NAME-00001-of-0000N.gguf)"
+        )
+    manifest = _manifest(files)
+    recorded = {r.file: r for r in manifest.records} if manifest else {}
+    plan = _plan(model, source, recorded) if source is not None else None
+    for base, names in sorted(sets.items()):
+        headers = [read_header(n, files.sizes[n], files.fetch) for n in names]
+        _check_structure(base, headers, report)
+        if plan is not None:
+            _check_plan(plan, headers, report)
+        for h in headers:
+            rec = recorded.get(h.file)
+            if rec is not None and rec.header_sha256 != h.header_sha256:
+                report.add(
+                    "header",
+                    h.file,
+                    f"{h.file}: header (metadata and tensor infos) differs from the manifest",
+                )
+            report.files += 1
+        _check_bytes(files, headers, choice, recorded, plan, source, report, say)
+    if not recorded and plan is None and (choice.every or choice.sample or choice.tensors):
+        report.add(
+            "set",
+            "",
+            f"{files.repo}: no {MANIFEST_NAME} and no source given: tensor bytes were read but not compared",
+        )
+    return report
+
+
+def _manifest(files: RepoFiles) -> Manifest | None:
+    size = files.sizes.get(MANIFEST_NAME)
+    if size is None:
+        return None
+    where = f"{files.repo}@{files.commit[:12]}: {MANIFEST_NAME}"
+    if size > MANIFEST_LIMIT:
+        raise ManifestError(f"{where}: {size} bytes, larger than any k3lab manifest")
+    return read_manifest(files.fetch(MANIFEST_NAME, 0, size), where)
+
+
+def _check_structure(base: str, headers: list[Header], report: Report) -> None:
+    count = headers[0].split(SPLIT_COUNT) or len(headers)
+    total = sum(len(h.tensors) for h in headers)
+    if len(headers) != count:
+        report.add("set", "", f"{base}: {len(headers)} files in the repo, the set has {count}")
+    seen: dict[str, str] = {}
+    for k, h in enumerate(headers):
+        for key, want in ((SPLIT_NO, k), (SPLIT_COUNT, count), (SPLIT_TENSORS, total)):
+            if h.split(key) != want and not (count == 1 and h.split(key) is None):
+                report.add("split", h.file, f"{h.file}: {key} is {h.split(key)}, expected {want}")
+        for t in h.tensors:
+            if t.name in seen:
+                report.add("set", h.file, f"{h.file}: tensor {t.name}: also in {seen[t.name]}")
+            seen[t.name] = h.file
+        report.tensors += len(h.tensors)
+
+
+def _plan(model: Model | None, source: Any, recorded: dict) -> Any:
+    from pathlib import Path
+
+    from k3lab.pipeline.planning.planner import build_plan
+
+    if model is None:
+        raise K3LabError("re-deriving from a source needs the model")
+    text = [r for r in recorded.values() if r.is_text]
+    outtype = text[0].outtype if text else "auto"
+    basename = text[0].basename if text else None
+    return build_plan(model, model.load_config(Path(source.meta_dir)), source, outtype, basename)
+
+
+def _check_plan(plan: Any, headers: list[Header], report: Report) -> None:
+    planned = {t.name: (t.info.type.name, tuple(t.info.ne)) for f in plan.files for t in f.tensors}
+    found = {t.name: (t.type, t.ne, t.file) for h in headers for t in h.tensors}
+    for name in sorted(planned.keys() - found.keys())[:20]:
+        report.add("plan", "", f"tensor {name}: the source plans it, the set lacks it")
+    for name in sorted(found.keys() - planned.keys())[:20]:
+        report.add(
+            "plan", found[name][2], f"{found[name][2]}: tensor {name}: not a tensor of the source's plan"
+        )
+    for name in sorted(planned.keys() & found.keys()):
+        if planned[name] != found[name][:2]:
+            report.add(
+                "plan",
+                found[name][2],
+                f"{found[name][2]}: tensor {name}: {found[name][0]} {list(found[name][1])}, the source "
+                f"plans {planned[name][0]} {list(planned[name][1])}",
+            )
+
+
+def _check_bytes(
+    files: RepoFiles,
+    headers: list[Header],
+    choice: Choice,
+    recorded: dict,
+    plan: Any,
+    source: Any,
+    report: Report,
+    say: Any,
+) -> None:
+    planned = {t.name: (f, t) for f in plan.files for t in f.tensors} if plan is not None else {}
+    for h in headers:
+        by_name = {t.name: t for t in h.tensors}
+        chosen = choice.pick(h.file, {t.name: t.nbytes for t in h.tensors})
+        rec = recorded.get(h.file)
+        want = {t.name: t.sha256 for t in rec.tensors} if rec is not None else {}
+        for name in chosen:
+            t = by_name[name]
+            digest = _hash(tensor_pieces(t, files.fetch))
+            report.bytes += t.nbytes
+            if name in want and want[name] != digest:
+                report.add("tensor", h.file, f"{h.file}: tensor {name}: SHA-256 differs from the manifest")
+            if name in planned:
+                derived = _derive(planned[name], source)
+                if derived != digest:
+                    report.add(
+                        "rederive",
+                        h.file,
+                        f"{h.file}: tensor {name}: re-derived from the source, SHA-256 differs "
+                        f"(source {planned[name][0].source_file}: {planned[name][1].sources[0]})",
+                    )
+            if say is not None:
+                say(t)
+
+
+def _hash(pieces: Any) -> str:
+    h = hashlib.sha256()
+    for p in pieces:
+        h.update(p)
+    return h.hexdigest()
+
+
+def _derive(planned: tuple[Any, Any], source: Any) -> str:
+    """The tensor made again from the source's bytes (read by ranges), by the converter's streams."""
+    from k3lab.pipeline.writing.convert import Reader
+    from k3lab.pipeline.writing.convert import tensor_pieces as derived_pieces
+
+    pf, pt = planned
+    entries, _ = source.shard_header(pf.source_file)
+    h = hashlib.sha256()
+    for piece in derived_pieces(pt, Reader(source, entries)):
+        h.update(memoryview(np.ascontiguousarray(piece)).cast("B"))
+    return h.hexdigest()

@@ -1,0 +1,283 @@
+"""Looking without downloading: the notebooks on a Hub source read only the bytes they show (the
+loopback Hub counts every byte it serves), a view drawn again fetches nothing, and a GGUF set on the
+Hub is verified by ranges: whole (`--all`), sampled or by glob, against its manifest or re-derived
+from the source, also when another tool wrote it without a manifest."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from hub_server import HubServer
+from test_notebooks import ROOT, _result, run
+
+REPO = "moonshotai/Kimi-K3"
+SET = "k3lab-test/Kimi-K3-GGUF"
+INDEX = "model.safetensors.index.json"
+
+
+def _header_len(path: Path) -> int:
+    return 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
+
+
+def _served_shards(hub: HubServer) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for path, _, n in hub.served:
+        if path.endswith(".safetensors"):
+            out[path] = out.get(path, 0) + n
+    return out
+
+
+@pytest.fixture
+def hub_env(tiny_src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    with HubServer(tiny_src) as hub:
+        for k, v in hub.client_env(tmp_path).items():
+            monkeypatch.setenv(k, v)
+        yield hub
+
+
+def _run(name: str, tmp: Path, **params: object) -> dict:
+    tmp.mkdir(parents=True, exist_ok=True)
+    return _result(run(name, tmp, **params))
+
+
+def _tensor_bytes(src: Path, names: list[str]) -> int:
+    from k3lab.formats.safetensors import read_header
+
+    index = json.loads((src / INDEX).read_text())["weight_map"]
+    total = 0
+    for n in names:
+        total += read_header(src / index[n])[0][n].nbytes
+    return total
+
+
+def test_notebook_01_on_the_hub_reads_headers_only(
+    tiny_src: Path, tmp_path: Path, hub_env: HubServer
+) -> None:
+    r = _run(
+        "01-tensor-layouts.ipynb",
+        tmp_path,
+        src=str(tmp_path / "meta"),
+        repo=REPO,
+        out_dir=str(tmp_path / "o"),
+    )
+    assert r["tensors"] == 76 and r["unmapped"] == []
+    served = _served_shards(hub_env)
+    text_shards = sorted(set(json.loads((tiny_src / INDEX).read_text())["weight_map"].values()))[:9]
+    for shard in text_shards:  # planned from every header; shown: shard 2's header
+        assert served.get(shard) == 8 + _header_len(tiny_src / shard), (shard, served.get(shard))
+    assert r["fetched"] == sum(served.values())
+
+
+def test_notebook_02_on_the_hub_reads_one_projections_scales_and_again_nothing(
+    tiny_src: Path, tmp_path: Path, hub_env: HubServer
+) -> None:
+    from k3lab.kimi_k3.rules import expert_tensor
+
+    params = dict(src=str(tmp_path / "meta"), repo=REPO, layers=[2], proj="w2", expert=1)
+    r = _run("02-mxfp4-scales.ipynb", tmp_path, **params)
+    assert len(r["summary"]) == 1 and r["summary"][0]["proj"] == "down (w2)"
+    shard = json.loads((tiny_src / INDEX).read_text())["weight_map"][
+        expert_tensor(2, 0, "w2", "weight_scale")
+    ]
+    scales = [expert_tensor(2, e, "w2", "weight_scale") for e in range(8)]
+    shown = _tensor_bytes(tiny_src, scales) + _tensor_bytes(
+        tiny_src, [expert_tensor(2, 1, "w2", "weight_packed")]
+    )
+    assert _served_shards(hub_env) == {shard: 8 + _header_len(tiny_src / shard) + shown}
+    # the local checkpoint's numbers, from those bytes alone
+    local = _run("02-mxfp4-scales.ipynb", tmp_path / "l", src=str(tiny_src), layers=[2], proj="w2", expert=1)
+    assert r["summary"] == local["summary"] and r["code_counts"] == local["code_counts"]
+    before = len(hub_env.served)
+    again = _run("02-mxfp4-scales.ipynb", tmp_path / "again", **params)
+    assert again["summary"] == r["summary"]
+    assert not [s for s in hub_env.served[before:] if s[0].endswith(".safetensors")]  # all from the cache
+
+
+def test_notebooks_03_and_04_on_the_hub_read_what_they_show(
+    tiny_src: Path, tiny_out: Path, tmp_path: Path, hub_env: HubServer
+) -> None:
+    r3 = _run(
+        "03-convert-shard.ipynb",
+        tmp_path,
+        meta=str(tmp_path / "meta"),
+        repo=REPO,
+        shard=4,
+        out_dir=str(tmp_path / "o"),
+    )
+    man = {
+        t["name"]: t
+        for f in json.loads((tiny_out / "MANIFEST.json").read_text())["files"]
+        for t in f["tensors"]
+    }
+    assert r3["sha256"] == man[r3["tensor"]]["sha256"]  # the tensor made by ranges is the converted one
+    assert not list((tmp_path / "o").glob("*.gguf"))  # nothing converted, nothing downloaded
+    r4 = _run(
+        "04-vision-and-tokenizer.ipynb",
+        tmp_path / "v",
+        src=str(tmp_path / "meta"),
+        repo=REPO,
+        sample_rows=2,
+    )
+    local = _run("04-vision-and-tokenizer.ipynb", tmp_path / "l", src=str(tiny_src))
+    assert r4["parameters"] == local["parameters"] and r4["ids"] == local["ids"]
+    assert (
+        0 < r4["fetched"] < sum(p.stat().st_size for p in tiny_src.glob("model-0001[01]-*.safetensors")) / 4
+    )
+
+
+# --- a GGUF set on the Hub ---------------------------------------------------------------------------
+
+
+def _k3lab(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "k3lab.cli", *args], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.fixture
+def set_hub(tiny_src: Path, tiny_out: Path, tmp_path: Path):
+    """The tiny source at REPO and its converted set (with MANIFEST.json) at SET."""
+    with HubServer(tiny_src) as hub:
+        folder = tmp_path / "set"
+        folder.mkdir()
+        for p in list(tiny_out.glob("Kimi-K3-*.gguf")) + [tiny_out / "MANIFEST.json"]:
+            shutil.copy(p, folder / p.name)
+        hub.add_repo(SET, folder, large=None)
+        yield hub, hub.client_env(tmp_path)
+
+
+def test_verify_a_set_on_the_hub_whole_and_a_flipped_byte(tiny_out: Path, tmp_path: Path, set_hub) -> None:
+    hub, env = set_hub
+    ok = _k3lab(env, "verify", SET, "--all")
+    assert ok.returncode == 0 and "verify OK: 9 files, 218 tensors" in ok.stdout, ok.stdout + ok.stderr
+    full = _k3lab(env, "verify", SET, "--all", "--meta", str(tmp_path / "meta"), "--repo", REPO)
+    assert full.returncode == 0 and "re-derived from the source" in full.stdout, full.stdout + full.stderr
+    assert not list(tmp_path.rglob("*.incomplete")) and not list(tmp_path.rglob("k3lab-dl-*"))  # no download
+    # one byte flipped in the repo: named, file and tensor
+    name = "Kimi-K3-MXFP4-00003-of-00009.gguf"
+    rec = next(f for f in json.loads((tiny_out / "MANIFEST.json").read_text())["files"] if f["file"] == name)
+    t = rec["tensors"][5]
+    data = bytearray(hub.files_of(SET)[name])
+    data[t["offset"] + 3] ^= 0x10
+    hub._new_commit({**hub.files_of(SET), name: bytes(data)}, "flip", SET)
+    bad = _k3lab(env, "verify", SET, "--all")
+    assert (
+        bad.returncode == 1 and f"{name}: tensor {t['name']}: SHA-256 differs from the manifest" in bad.stdout
+    ), bad.stdout
+
+
+def test_sample_and_tensors_read_only_what_they_say(tiny_out: Path, set_hub) -> None:
+    hub, env = set_hub
+    before = len(hub.served)
+    head = _k3lab(env, "verify", SET)
+    assert head.returncode == 0 and "headers only" in head.stdout, head.stdout + head.stderr
+    headers = {p: n for p, _, n in hub.served[before:] if p.endswith(".gguf")}
+    man = json.loads((tiny_out / "MANIFEST.json").read_text())["files"]
+    starts = {f["file"]: f["data_start"] for f in man}
+    assert all(n <= max(4 * starts[p], 1 << 16) for p, n in headers.items())  # headers (and a probe's rest)
+    before = len(hub.served)
+    glob = _k3lab(env, "verify", SET, "--tensors", "blk.3.attn_norm.weight")
+    want = next(t["nbytes"] for f in man for t in f["tensors"] if t["name"] == "blk.3.attn_norm.weight")
+    assert glob.returncode == 0 and f"218 tensors, {want} bytes checked" in glob.stdout, glob.stdout
+    body = [n for p, r, n in hub.served[before:] if p.endswith(".gguf") and n == want]
+    assert len(body) == 1  # that tensor's bytes, once
+    seeded = _k3lab(env, "verify", SET, "--sample", "1", "--seed", "7")
+    again = _k3lab(env, "verify", SET, "--sample", "1", "--seed", "7")
+    assert "seed 7" in seeded.stdout and seeded.stdout == again.stdout
+
+
+def _rewrite_as_another_tool(tiny_out: Path, dest: Path) -> list[str]:
+    """The set as another converter might write it: every tensor in two files, another order, no
+    manifest, no k3lab record."""
+    tensors = []
+    for p in sorted(tiny_out.glob("Kimi-K3-*.gguf")):
+        r = gguf.GGUFReader(p)
+        for t in r.tensors:
+            tensors.append((t.name, t.tensor_type, [int(n) for n in t.shape], np.array(t.data)))
+    tensors.sort(key=lambda t: t[0])
+    halves = [tensors[: len(tensors) // 2], tensors[len(tensors) // 2 :]]
+    names = []
+    for k, part in enumerate(halves):
+        name = f"Other-Q-0000{k + 1}-of-00002.gguf"
+        w = gguf.GGUFWriter(dest / name, "kimi-k3")
+        w.add_uint16("split.no", k)
+        w.add_uint16("split.count", 2)
+        w.add_int32("split.tensors.count", len(tensors))
+        for tname, ttype, _, data in part:  # (bytes as gguf-py reads them: its writer takes them back)
+            w.add_tensor(tname, data, raw_dtype=ttype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        names.append(name)
+    return names
+
+
+def test_a_set_another_tool_wrote_is_verified_against_the_source(
+    tiny_src: Path, tiny_out: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "other"
+    folder.mkdir()
+    names = _rewrite_as_another_tool(tiny_out, folder)
+    with HubServer(tiny_src) as hub:
+        hub.add_repo("someone/Other-GGUF", folder, large=None)
+        env = hub.client_env(tmp_path)
+        src = ["--meta", str(tmp_path / "meta"), "--repo", REPO]
+        ok = _k3lab(env, "verify", "someone/Other-GGUF", "--all", *src)
+        assert ok.returncode == 0 and "re-derived from the source" in ok.stdout, ok.stdout + ok.stderr
+        r = gguf.GGUFReader(folder / names[1])
+        t = next(t for t in r.tensors if t.name.endswith("ffn_down_exps.weight"))
+        data = bytearray((folder / names[1]).read_bytes())
+        data[int(t.data_offset) + 17] ^= 0x01
+        hub._new_commit(
+            {**hub.files_of("someone/Other-GGUF"), names[1]: bytes(data)}, "flip", "someone/Other-GGUF"
+        )
+        bad = _k3lab(env, "verify", "someone/Other-GGUF", "--tensors", t.name, *src)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert f"{names[1]}: tensor {t.name}: re-derived from the source, SHA-256 differs" in bad.stdout
+
+
+@pytest.mark.parametrize(
+    "mode, needle", [("html", "web page"), ("long", "more than the"), ("endless", "without that range")]
+)
+def test_a_wrong_answer_from_a_set_repo_is_one_line(set_hub, mode: str, needle: str) -> None:
+    hub, env = set_hub
+    hub.hostile["Kimi-K3-MXFP4-00004-of-00009.gguf"] = mode
+    r = _k3lab(env, "verify", SET)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and needle in lines[0] and "00004-of-00009" in lines[0], (
+        r.stderr
+    )
+
+
+def test_a_moved_or_missing_revision_is_one_line(set_hub) -> None:
+    hub, env = set_hub
+    r = _k3lab(env, "verify", SET, "--revision", "no-such-branch")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "no-such-branch" in lines[0], r.stderr
+
+
+def test_the_readmes_papermill_line_runs_verbatim(tmp_path: Path, hub_env: HubServer) -> None:
+    """The README's command for a notebook on the Hub, as written, from a fresh folder."""
+    import os
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    line = next(
+        ln for ln in readme.splitlines() if ln.startswith("papermill notebooks/02-mxfp4-scales.ipynb")
+    )
+    cmd = re.sub(r"^papermill notebooks/", f"{Path(sys.executable).parent}/papermill {ROOT}/notebooks/", line)
+    r = subprocess.run(
+        cmd, shell=True, cwd=tmp_path, env=dict(os.environ), capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "k3-meta" / "config.json").exists()  # the metadata fetched where it says
+    assert _served_shards(hub_env)  # read from the (loopback) Hub
