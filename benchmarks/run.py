@@ -18,6 +18,11 @@ straightforward implementation), because these machines are shared and noisy. Ro
   startup     `k3lab --help` and `k3lab verify` of the tiny set (whole commands, best of 7), at this
               checkout and at K3LAB_BASELINE (a git ref, default the commit before "one way in"): what
               a command imports before it does anything
+  remote      looking without downloading, at the real model's size (`synth --preset full` served by
+              the loopback Hub in another process, one link paced at K3LAB_LINK bytes/s, default 200e6):
+              notebook 02's view of one layer (bytes against the shard, time against bytes/rate),
+              the same view again, notebook 01's planning (every shard's header, nothing else), and
+              `verify ORG/NAME` of a sparse full-size GGUF set (headers, --sample 1, --all's memory)
   tokenizer   GGUF vocabulary of the real size (163,840 ids) vs the straightforward per-token BPE
               reconstruction (as upstream does it) on the same vocabulary; the merges must agree
 """
@@ -505,6 +510,253 @@ def bench_tokenizer() -> list[tuple[str, str, str]]:
             f"straightforward {t_ref:.2f} s",
         ),
     ]
+
+
+def _full_checkpoint(tmp: Path) -> Path:
+    import subprocess
+
+    given = os.environ.get("K3LAB_FULL")
+    if given:
+        return Path(given)
+    full = tmp / "full"
+    subprocess.run(
+        [sys.executable, "-m", "k3lab.cli", "synth", "--preset", "full", "--out", str(full)],
+        check=True,
+        capture_output=True,
+    )
+    return full
+
+
+def sparse_set(full: Path, out: Path) -> Path:
+    """The full model's GGUF split set as `convert` plans it, headers written and tensor data left as
+    holes, with a MANIFEST.json (each tensor's SHA-256 that of its zeros): 1.42 TiB on paper, a few
+    MB on disk; what a remote verify of the real set reads, byte for byte, at every offset."""
+    import hashlib
+
+    from gguf import GGUFWriter
+
+    from k3lab import request
+    from k3lab.formats.gguf_stream import ALIGNMENT
+    from k3lab.pipeline.writing.convert import file_kvs
+    from k3lab.pipeline.writing.folder import OutputFolder
+    from k3lab.pipeline.writing.record import Record, TensorRecord, write_manifest
+
+    plan = request.plan(request.Request(meta=str(full), out_dir=str(out)))
+    folder = OutputFolder(out)
+    zeros: dict[int, str] = {}
+
+    def zero_sha(n: int) -> str:
+        if n not in zeros:
+            h, block = hashlib.sha256(), bytes(1 << 24)
+            for k in range(0, n, len(block)):
+                h.update(block[: min(len(block), n - k)])
+            zeros[n] = h.hexdigest()
+        return zeros[n]
+
+    records = []
+    for pf in plan.files:
+        path = folder.output(pf.filename)
+        w = GGUFWriter(path, plan.model.name)
+        for kv in file_kvs(plan, pf.number, folder):
+            if kv.key != "general.architecture":
+                w.add_key_value(kv.key, kv.value, kv.type, sub_type=kv.sub_type)
+        for t in pf.tensors:
+            w.add_tensor_info(
+                t.info.name, t.info.shape, np.dtype(np.float32), t.info.nbytes, raw_dtype=t.info.type
+            )
+        w.write_header_to_file(path)
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        pos = w.fout[0].tell()
+        w.close()
+        pos += -pos % ALIGNMENT
+        start, tensors = pos, []
+        for t in pf.tensors:
+            pos += -pos % ALIGNMENT
+            tensors.append(
+                TensorRecord(
+                    t.name, t.info.type.name, tuple(t.info.ne), t.nbytes, pos, zero_sha(t.nbytes), t.transform
+                )
+            )
+            pos += t.nbytes
+        pos += -pos % ALIGNMENT
+        with open(path, "r+b") as fh:
+            fh.truncate(pos)
+            head = fh.read(start)
+        records.append(
+            Record(
+                "text",
+                pf.filename,
+                pf.number,
+                pos,
+                start,
+                hashlib.sha256(head).hexdigest(),
+                tensors,
+                len(plan.files),
+                plan.n_tensors,
+                pf.digest,
+                plan.basename,
+                plan.outtype,
+                {"file": pf.source_file},
+            )
+        )
+    with open(folder.manifest, "wb") as fh:
+        write_manifest(fh, records)
+    return out
+
+
+@row
+def bench_remote() -> list[tuple[str, str, str]]:
+    import subprocess
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from hub_server import HubServer
+
+    rate = float(os.environ.get("K3LAB_LINK", "200e6"))
+    rows = []
+    view = (
+        "import json, sys, time\nfrom k3lab import explore\n"
+        "cfg, source = explore.open_checkpoint(sys.argv[1], repo='moonshotai/Kimi-K3')\n"
+        "t = time.perf_counter(); explore.scale_stats(source, int(sys.argv[2]), 'w2')\n"
+        "print(json.dumps({'seconds': time.perf_counter() - t, 'fetched': source.counts.fetched}))\n"
+    )
+    with tempfile.TemporaryDirectory(prefix="k3lab-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        full = _full_checkpoint(tmp)
+        index = json.loads((full / "model.safetensors.index.json").read_text())["weight_map"]
+        layer = 5
+        shard = index[f"language_model.model.layers.{layer}.input_layernorm.weight"]
+        size = (full / shard).stat().st_size
+        gguf_set = sparse_set(full, tmp / "set")
+        with HubServer(full, large=1 << 20) as hub:
+            hub.add_repo("k3lab-test/Kimi-K3-GGUF", gguf_set, large=1 << 20)
+            env = hub.client_env(tmp)
+            hub.link = rate
+            for label in ("notebook 02, one layer's w2 scales (896 experts)", "the same view again"):
+                before = hub.served_bytes(shard)
+                r = subprocess.run(
+                    [sys.executable, "-c", view, str(tmp / "meta"), str(layer)],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                got = json.loads(r.stdout)
+                served = hub.served_bytes(shard) - before
+                bound = 1.2 * served / rate + 2
+                rows.append(
+                    (
+                        f"remote: {label}",
+                        f"{got['seconds']:.2f} s, {served / 2**20:,.1f} MiB",
+                        f"{100 * served / size:.2f}% of the {size / 2**30:.1f} GiB shard; bound 1.2 x bytes/rate + 2 s = {bound:.2f} s",
+                    )
+                )
+            # notebook 01: plan from every header (the plan's own cost aside: what crosses the link)
+            before = {p: n for p, n in _served(hub).items()}
+            t = time.perf_counter()
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "k3lab.cli",
+                    "plan",
+                    "--repo",
+                    "moonshotai/Kimi-K3",
+                    "--meta",
+                    str(tmp / "meta"),
+                    "--json",
+                ],
+                env=env,
+                capture_output=True,
+                check=True,
+            )
+            took = time.perf_counter() - t
+            after = _served(hub)
+            shards = [f for f in after if f.endswith(".safetensors")]
+            headers = sum(8 + int.from_bytes(_first8(full / f), "little") for f in shards)
+            read = sum(after[f] - before.get(f, 0) for f in shards)
+            rows.append(
+                (
+                    "remote: notebook 01's plan, all 96 shards",
+                    f"{read / 2**20:,.1f} MiB in {took:.1f} s",
+                    f"headers alone are {headers / 2**20:,.1f} MiB (+8 B each: the length first)",
+                )
+            )
+            # verify ORG/NAME of the full-size set
+            for args, label in (
+                (["--sample", "1", "--seed", "1"], "verify ORG/NAME --sample 1"),
+                ([], "verify ORG/NAME (headers)"),
+            ):
+                before_all = hub.served_bytes()
+                t = time.perf_counter()
+                r = subprocess.run(
+                    [
+                        "/usr/bin/time",
+                        "-f",
+                        "%M",
+                        sys.executable,
+                        "-m",
+                        "k3lab.cli",
+                        "verify",
+                        "k3lab-test/Kimi-K3-GGUF",
+                        *args,
+                    ],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                )
+                rows.append(
+                    (
+                        f"remote: {label}",
+                        f"{(hub.served_bytes() - before_all) / 2**20:,.1f} MiB read in {time.perf_counter() - t:.1f} s",
+                        f"peak RSS {int(r.stderr.strip().splitlines()[-1]) / 1024:.0f} MiB; {r.stdout.strip().splitlines()[-1][:90]}",
+                    )
+                )
+            # --all: memory while streaming (stopped after a minute: it would read 1.42 TiB)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "k3lab.cli", "verify", "k3lab-test/Kimi-K3-GGUF", "--all", "--quiet"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            before_all, peak, t = hub.served_bytes(), 0, time.perf_counter()
+            while time.perf_counter() - t < 60 and proc.poll() is None:
+                peak = max(peak, _rss(proc.pid))
+                time.sleep(0.2)
+            proc.kill()
+            proc.wait()
+            streamed = hub.served_bytes() - before_all
+            rows.append(
+                (
+                    "remote: verify ORG/NAME --all, its first minute",
+                    f"peak RSS {peak / 2**20:.0f} MiB",
+                    f"{streamed / 2**30:.2f} GiB streamed and hashed, none stored",
+                )
+            )
+    return rows
+
+
+def _served(hub: object) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for path, _, n in hub.served:  # type: ignore[attr-defined]
+        out[path] = out.get(path, 0) + n
+    return out
+
+
+def _first8(path: Path) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read(8)
+
+
+def _rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 @row

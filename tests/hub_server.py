@@ -81,7 +81,13 @@ class FileBlob:
         return self._sha
 
     def git_id(self) -> str:
-        return hashlib.sha1(f"blob {self.size}:{self.sha256()}".encode()).hexdigest()
+        if self.size > self.HASHED:
+            return hashlib.sha1(f"unhashed blob {self.size}:{self.sha256()}".encode()).hexdigest()
+        h = hashlib.sha1(b"blob %d\0" % self.size)
+        with open(self.path, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+        return h.hexdigest()
 
 
 def load_files(root: Path, large: int | None = None) -> dict[str, bytes]:

@@ -281,3 +281,33 @@ def test_the_readmes_papermill_line_runs_verbatim(tmp_path: Path, hub_env: HubSe
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "k3-meta" / "config.json").exists()  # the metadata fetched where it says
     assert _served_shards(hub_env)  # read from the (loopback) Hub
+
+
+def test_the_header_parser_agrees_with_gguf_py(tiny_out: Path, tmp_path: Path) -> None:
+    """k3lab's bounded header parser against gguf-py's reader, on every file of a set, on the mmproj
+    and the tokenizer GGUF, and on a file another writer made; cut anywhere inside the header it asks
+    for more, never misparses."""
+    from k3lab.formats import gguf_header
+
+    _rewrite_as_another_tool(tiny_out, tmp_path)
+    files = sorted(tiny_out.glob("*.gguf")) + sorted(tmp_path.glob("*.gguf"))
+    assert len(files) >= 11
+    for path in files:
+        data = path.read_bytes()
+        mine = gguf_header.parse(data, ("split.no", "split.count"), len(data))
+        theirs = gguf.GGUFReader(path)
+        assert mine.data_start == theirs.data_offset, path.name
+        assert [(t.name, t.type, t.ne, t.offset, t.nbytes) for t in mine.tensors] == [
+            (t.name, t.tensor_type.name, tuple(int(n) for n in t.shape), int(t.data_offset), int(t.n_bytes))
+            for t in theirs.tensors
+        ], path.name
+        for key in ("split.no", "split.count"):
+            if key in theirs.fields:
+                assert mine.kvs[key] == theirs.fields[key].contents(), (path.name, key)
+        for cut in (5, 24, mine.data_start // 2, mine.data_start - 1):
+            try:  # more is asked for, or (cut in the padding before the data) the same header found
+                early = gguf_header.parse(data[:cut], (), len(data))
+            except gguf_header.NeedMore as more:
+                assert cut < more.at_least <= mine.data_start, (path.name, cut)
+            else:
+                assert early.data_start == mine.data_start and early.tensors == mine.tensors, (path.name, cut)

@@ -78,6 +78,7 @@ def open_checkpoint(
     """The config and the source of a checkpoint (a folder, or a Hub repo)."""
     req = _request(meta or src, src, repo, revision)
     source = request.opened(req)
+    source.weight_map  # noqa: B018 - the index is read now, when the checkpoint is opened, not by a view
     return req.load_model().load_config(Path(req.meta)), source
 
 

@@ -9,15 +9,21 @@ from typing import Any
 import numpy as np
 
 from k3lab.formats import mxfp4
-from k3lab.kimi_k3.rules import expert_of, expert_tensor
+from k3lab.kimi_k3.rules import expert_tensor
 from k3lab.pipeline.sources.base import Source
 
 OUTLIER_LOW, OUTLIER_HIGH = 0, 250  # E8M0 bytes worth a look: an all-zero block, or ~2**123
 
 
 def _expert_names(source: Source, layer: int, proj: str, part: str = "weight_scale") -> list[tuple[int, str]]:
-    found = ((expert_of(n, layer, proj, part), n) for n in source.weight_map)
-    return sorted((e, n) for e, n in found if e is not None)
+    """(expert, tensor name) of every routed expert the index has for that layer and projection."""
+    names, weight_map = [], source.weight_map
+    while (name := expert_tensor(layer, len(names), proj, part)) in weight_map:
+        names.append((len(names), name))
+    return names
+
+
+BATCH = 64  # experts whose scales are fetched at once (a Hub source: side by side)
 
 
 @dataclass
@@ -59,7 +65,10 @@ def scale_stats(source: Source, layer: int, proj: str, outlier_limit: int = 50) 
     counts = np.zeros(256, dtype=np.int64)
     rows_means: list[np.ndarray] = []
     outliers: list[dict[str, int]] = []
-    for e, name in _expert_names(source, layer, proj):
+    experts = _expert_names(source, layer, proj)
+    for k, (e, name) in enumerate(experts):
+        if k % BATCH == 0:
+            source.warm([n for _, n in experts[k : k + BATCH]])
         sc = np.asarray(source.array(name))
         counts += np.bincount(sc.ravel(), minlength=256)
         rows_means.append(sc.mean(axis=0, dtype=np.float32) - 127)

@@ -1,30 +1,28 @@
 """A GGUF split set in a Hub repo, read by byte ranges: every file's header, and any tensor's bytes.
 
-A header is parsed by gguf-py's own ``GGUFReader``, which reads a local file: it is given a sparse
-stand-in of the file's size holding only the header bytes fetched so far, followed by a guard of
-0xFF bytes (a length or count read past the fetched bytes is absurd, so the reader fails rather
-than parse zeros as a shorter header). Until the reader parses a header that ends within the
-fetched bytes, more is fetched (4x at a time, at most ``MAX_HEADER``). Tensor bytes are read in
-pieces of ``PIECE`` bytes and handed on (to a hash), never stored.
+A header is parsed as it arrives (``formats.gguf_header``, held to gguf-py's reader by the tests):
+the parser says when it needs more, and the reads double from ``PROBE`` until the header ends (at
+most twice the header's bytes in all, a few reads for file 1's 163,840-string vocabulary, which is
+walked past, never held). Tensor bytes are read in pieces of ``PIECE`` bytes and handed on (to a hash), never
+stored.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from k3lab.errors import K3LabError
+from k3lab.formats import gguf_header
 
-PROBE = 64 << 10  # the first ranged read of a header (then 4x as much at a time: file 1 holds ~10 MB)
+PROBE = 64 << 10  # the smallest ranged read of a header
 MAX_HEADER = 512 << 20
 PIECE = 16 << 20
-GUARD = 1 << 16
 SPLIT = re.compile(r"(?P<base>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
+KEYS = ("split.no", "split.count", "split.tensors.count", "general.architecture")
 
 Fetch = Callable[[str, int, int], bytes]  # (file, start, stop) -> exactly those bytes
 
@@ -60,66 +58,30 @@ class Header:
 
     def split(self, key: str) -> int | None:
         value = self.fields.get(key)
-        return int(value) if isinstance(value, (int, float)) else None
+        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def read_header(file: str, size: int, fetch: Fetch, probe: int = PROBE) -> Header:
-    """``file``'s header through gguf-py's reader, fetching only what the header needs."""
-    import gguf
-
+    """``file``'s header, fetching only its bytes (and, to reach the data's alignment, its padding)."""
     have = bytearray()
     want = min(probe, size)
-    with tempfile.TemporaryDirectory(prefix="k3lab-gguf-") as tmp:
-        stand = Path(tmp) / "stand-in.gguf"
-        while True:
-            have += fetch(file, len(have), want)
-            with open(stand, "wb") as fh:
-                fh.write(have)
-                fh.write(b"\xff" * min(GUARD, size - len(have)))
-                fh.truncate(size)
-            try:
-                reader = gguf.GGUFReader(stand)
-                complete = int(reader.data_offset) <= len(have)
-            except Exception:  # the header runs on past the bytes fetched (or is no GGUF at all)
-                reader, complete = None, False
-            if complete and reader is not None:
-                return _header(file, size, reader, bytes(have))
-            if len(have) >= min(size, MAX_HEADER):
-                raise RemoteSetError(
-                    f"{file}: not a GGUF file gguf-py can read (its first {len(have)} bytes)"
-                )
-            want = min(size, MAX_HEADER, len(have) * 4)
-
-
-def _header(file: str, size: int, reader: Any, head: bytes) -> Header:
-    fields: dict[str, Any] = {}
-    for key, f in reader.fields.items():
-        if key.startswith("split."):
-            try:
-                fields[key] = f.contents()
-            except Exception:
-                continue
-    arch = reader.fields.get("general.architecture")
-    if arch is not None:
-        fields["general.architecture"] = arch.contents()
-    data_start = int(reader.data_offset)
-    tensors = [
-        Tensor(
-            t.name,
-            t.tensor_type.name,
-            tuple(int(n) for n in t.shape),
-            int(t.data_offset),
-            int(t.n_bytes),
-            file,
-        )
-        for t in reader.tensors
-    ]
-    for t in tensors:
-        if t.offset < data_start or t.offset + t.nbytes > size:
-            raise RemoteSetError(f"{file}: tensor {t.name}: its bytes lie outside the {size}-byte file")
-    return Header(
-        file, size, fields, tensors, data_start, hashlib.sha256(head[:data_start]).hexdigest(), len(head)
-    )
+    while True:
+        have += fetch(file, len(have), want)
+        try:
+            parsed = gguf_header.parse(have, KEYS, size)
+        except gguf_header.NeedMore as more:
+            if more.at_least > min(size, MAX_HEADER):
+                raise RemoteSetError(f"{file}: its header runs past {min(size, MAX_HEADER)} bytes") from None
+            want = min(size, max(more.at_least, 2 * len(have)))  # (at most twice the header in all)
+            continue
+        except gguf_header.GGUFHeaderError as e:
+            raise RemoteSetError(f"{file}: {e}") from None
+        if parsed.data_start > len(have):  # (the padding up to the data's alignment)
+            want = min(size, parsed.data_start)
+            continue
+        tensors = [Tensor(t.name, t.type, t.ne, t.offset, t.nbytes, file) for t in parsed.tensors]
+        digest = hashlib.sha256(have[: parsed.data_start]).hexdigest()
+        return Header(file, size, parsed.kvs, tensors, parsed.data_start, digest, len(have))
 
 
 def tensor_pieces(t: Tensor, fetch: Fetch, piece: int = PIECE) -> Iterator[bytes]:

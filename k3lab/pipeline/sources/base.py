@@ -272,6 +272,10 @@ class Source(abc.ABC):
                 self._fds[file] = fd
         return fd
 
+    def warm(self, names: list[str]) -> None:
+        """A hint: these tensors are read next (the Hub fetches them side by side; here: nothing)."""
+        return None  # a local file needs no warming
+
     def rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Rows ``[start, stop)`` of a tensor (its first axis), read-only: what a view shows of it.
         The Hub source reads only those bytes (``hub``); here they are mapped."""

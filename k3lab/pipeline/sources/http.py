@@ -21,6 +21,7 @@ to be checked.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import os
 import re
@@ -168,9 +169,16 @@ def file_url(repo: str, file: str, commit: str, endpoint: str | None) -> str:
 
 
 def _headers(token: str | None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {**_hf_headers(token), **(extra or {})}
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_headers(token: str | None) -> dict[str, str]:
+    """huggingface_hub's headers (user agent, authorization): built once per token (a view makes
+    hundreds of ranged reads)."""
     from huggingface_hub.utils import build_hf_headers
 
-    return {**build_hf_headers(token=token), **(extra or {})}
+    return build_hf_headers(token=token)
 
 
 def _check_kind(response: httpx2.Response, what: str) -> None:

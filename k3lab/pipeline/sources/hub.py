@@ -69,6 +69,7 @@ from k3lab.pipeline.sources.slots import Slot, sweep_scratch
 
 __all__ = ["HubError", "HubSource", "HubUnreachable", "RETRY_BUDGET", "hub_spec", "with_retries"]
 
+WARM_THREADS = 8  # ranged reads in flight at once when a view asks for many tensors
 WINDOW = 16 << 20  # a ranged read of a tensor reads this much of it at once (bounded memory)
 PREFETCH_AHEAD = 1  # shards downloaded ahead of the one converting: at most two on disk per process
 FETCHED = ".k3lab-fetched.json"  # in meta: the metadata files k3lab fetched, and their hashes
@@ -410,6 +411,19 @@ class HubSource(Source):
     def will_need(self, entry: TensorEntry, offset: int, nbytes: int) -> None:
         if self._labels.get(entry.file, entry.file) in self._slots:
             super().will_need(entry, offset, nbytes)
+
+    def warm(self, names: list[str]) -> None:
+        """Fetch these tensors into the range cache side by side (``WARM_THREADS`` ranged reads at
+        once: the Hub's round trips overlap); those a downloaded shard holds need nothing."""
+        jobs = []
+        for name in names:
+            e, file = self.entry(name), self.weight_map[name]
+            if file not in self._slots:
+                jobs.append((file, e.start, e.start + e.nbytes))
+        if len(jobs) > 1:
+            with ThreadPoolExecutor(WARM_THREADS, thread_name_prefix="k3lab-warm") as pool:
+                for done in [pool.submit(self.cached, *job) for job in jobs]:
+                    done.result()
 
     def array(self, name: str) -> np.ndarray:
         """A whole tensor, by ranges through the cache (a downloaded shard's when this source holds it)."""

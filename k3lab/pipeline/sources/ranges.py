@@ -80,6 +80,8 @@ class RangeCache:
         self.limit = cache_limit() if limit is None else limit
         self.counts = Counts()
         self._lock = threading.Lock()
+        self._index: dict[str, list[tuple[int, int, Path]]] = {}  # oid -> ranges held (listed once)
+        self._stored, self._scanned = 0, False  # bytes stored since the last scan of the cache
 
     def _folder(self, oid: str) -> Path:
         if not _OID.fullmatch(oid):
@@ -87,17 +89,21 @@ class RangeCache:
         return self.root / oid
 
     def _held(self, oid: str) -> list[tuple[int, int, Path]]:
+        """The ranges held for ``oid``: listed from disk once, then kept up to date by this process
+        (a range another process stored meanwhile is fetched again: only a cost, never wrong bytes)."""
+        with self._lock:
+            held = self._index.get(oid)
+            if held is not None:
+                return list(held)
         folder = self._folder(oid)
         try:
             names = os.listdir(folder)
         except FileNotFoundError:
-            return []
-        found = []
-        for n in names:
-            m = _RANGE.fullmatch(n)
-            if m:
-                found.append((int(m[1]), int(m[2]), folder / n))
-        return found
+            names = []
+        held = [(int(m[1]), int(m[2]), folder / n) for n in names if (m := _RANGE.fullmatch(n))]
+        with self._lock:
+            self._index[oid] = held
+        return list(held)
 
     def read(self, oid: str, start: int, stop: int, fetch: Fetch) -> np.ndarray:
         """Bytes ``[start, stop)`` of the file ``oid``, as a read-only uint8 array mapped from the
@@ -106,15 +112,19 @@ class RangeCache:
             return np.empty(0, dtype=np.uint8)
         for a, b, path in self._held(oid):
             if a <= start and stop <= b:
-                try:
-                    data = np.memmap(path, dtype=np.uint8, mode="r", offset=start - a, shape=(stop - start,))
-                except (OSError, ValueError):  # removed meanwhile (another process evicted it)
+                data = _load(path, b - a, start - a, stop - start)
+                if data is None:  # removed meanwhile (evicted), or cut short by a crash: fetch again
+                    self._forget(oid, path)
                     continue
-                _touch(path)
                 self.counts.add(cached=stop - start)
                 return data
         path = self._store(oid, start, stop, fetch)
-        return np.memmap(path, dtype=np.uint8, mode="r", shape=(stop - start,))
+        data = _load(path, stop - start, 0, stop - start)
+        if data is None:
+            raise K3LabError(
+                f"{path}: a range just stored is gone (is the cache shared with a smaller bound?)"
+            )
+        return data
 
     def _store(self, oid: str, start: int, stop: int, fetch: Fetch) -> Path:
         folder = self._folder(oid)
@@ -131,18 +141,30 @@ class RangeCache:
                     fh.write(piece)
                     self.counts.add(fetched=len(piece), requests=1)
                     at += len(piece)
-                fh.flush()
-                os.fsync(fh.fileno())
+            # no fsync: a cache may lose a range in a crash (a read checks each range's size, and a
+            # short one is fetched again), and an fsync per range would cost more than its fetch
             os.replace(tmp, path)
         except BaseException:
             remove_regular(tmp)
             raise
+        with self._lock:
+            self._index.setdefault(oid, []).append((start, stop, path))
         self._evict(keep=path)
         return path
 
-    def _evict(self, keep: Path) -> None:
-        """Delete the least recently used ranges until the cache is within its bound."""
+    def _forget(self, oid: str, path: Path) -> None:
         with self._lock:
+            self._index[oid] = [r for r in self._index.get(oid, []) if r[2] != path]
+
+    def _evict(self, keep: Path) -> None:
+        """Delete the least recently used ranges until the cache is within its bound (the folder is
+        scanned when the running total may have passed the bound: at most every 1/16 of it)."""
+        size = os.stat(keep).st_size
+        with self._lock:
+            self._stored += size
+            if self._stored < self.limit // 16 and self._scanned:
+                return
+            self._stored, self._scanned = 0, True
             entries = []
             try:
                 folders = list(os.scandir(self.root))
@@ -161,10 +183,27 @@ class RangeCache:
                     break
                 if path != keep and remove_regular(path):
                     total -= size
+                    for oid, held in self._index.items():
+                        self._index[oid] = [r for r in held if r[2] != path]
 
 
-def _touch(path: Path) -> None:
+MAP_FROM = 16 << 20  # ranges this large are mapped; smaller ones are read (a map costs more than a read)
+
+
+def _load(path: Path, size: int, offset: int, n: int) -> np.ndarray | None:
+    """``n`` bytes from ``offset`` of a cached range of ``size`` bytes (None when it is gone or is
+    not that size: a crash can leave a renamed range without its bytes); marks it used."""
     try:
-        os.utime(path)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
-        pass  # (evicted meanwhile: the mapping still holds its bytes)
+        return None
+    try:
+        if os.fstat(fd).st_size != size:
+            return None
+        os.utime(fd)
+        if n >= MAP_FROM:
+            return np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(n,))
+        data = os.pread(fd, n, offset)
+        return np.frombuffer(data, dtype=np.uint8) if len(data) == n else None
+    finally:
+        os.close(fd)
