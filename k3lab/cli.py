@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--scheduler", help="fan the shards out on this Dask scheduler instead of local processes")
     c.add_argument("--push-to", metavar="ORG/NAME", type=REPO, help="publish every file to this Hub repo")
     c.add_argument("--keep-local", action="store_true", help="keep each file after uploading it")
+    c.add_argument(
+        "--text-only", action="store_true", help="publish the split set alone (no mmproj, tokenizer)"
+    )
 
     pu = command("publish", _publish, "push a converted set (and its mmproj, tokenizer) to a Hub repo")
     pu.add_argument("out_dir", help="the output folder of a conversion")

@@ -1,12 +1,8 @@
-"""One way in: what a user asks becomes a run here, and only here.
-
-The CLI's flags, a notebook's parameters and the demo all make a ``Request`` (plain values), and
-everything a run needs is made from it in this module: the model (``--model``: a name in ``MODELS``
-or a module holding a ``MODEL``), the source (``--src`` or ``--repo``, with its scratch), the run
-options (``--outtype``, ``--name``, ``--chat-template``, ``--force``), the publication (``--push-to``
-and its flags) and the plan. The same request makes the same run, whoever made it. Where the Hub is
-and who the user is there, huggingface_hub reads from its own environment (``HF_ENDPOINT``,
-``HF_TOKEN`` or its stored login); the run carries both to its workers in memory.
+"""One way in: the CLI's flags, a notebook's parameters and the demo all make a ``Request``, and
+everything a run needs is made from it here and only here: the model (``--model``), the source
+(``--src`` or ``--repo``, with its scratch), the run options, the publication and the plan; the same
+request makes the same run. Where the Hub is and who the user is there, huggingface_hub reads from
+its own environment (``HF_ENDPOINT``, ``HF_TOKEN`` or its login); a run carries both to its workers.
 """
 
 from __future__ import annotations
@@ -57,10 +53,15 @@ class Request:
     private: bool = False
     keep_local: bool = False
     commit_every: float | None = None
+    text_only: bool = False  # publish the split set alone (not the mmproj and the tokenizer GGUF)
 
     def __post_init__(self) -> None:
         """Every value checked as the CLI checks it (a notebook makes a Request directly)."""
         values.count(self.jobs, 1, values.MAX_JOBS, "--jobs")
+        if self.scheduler and self.jobs != 1:
+            raise K3LabError(
+                "--jobs and --scheduler both say where to run: give one (Dask workers set their own)"
+            )
         for flag in ("retry_budget", "commit_every"):
             if getattr(self, flag) is not None:
                 values.seconds(getattr(self, flag), "--" + flag.replace("_", "-"))
@@ -136,7 +137,7 @@ class Request:
     def publication(self) -> Any:
         """``--push-to`` and its flags as a ``Publication`` (None without ``--push-to``)."""
         if not self.push_to:
-            for flag in ("push_branch", "private", "keep_local", "commit_every"):
+            for flag in ("push_branch", "private", "keep_local", "commit_every", "text_only"):
                 if getattr(self, flag) not in (None, False):
                     raise K3LabError(f"--{flag.replace('_', '-')} is for publishing: it needs --push-to")
             return None
@@ -146,16 +147,36 @@ class Request:
         from k3lab.pipeline.publishing.publish import PushTarget
         from k3lab.pipeline.sources.retry import RETRY_BUDGET
 
+        budget = RETRY_BUDGET if self.retry_budget is None else self.retry_budget
+        branch = self.push_branch or "main"
         target = PushTarget(
-            self.push_to,
-            self.push_branch or "main",
-            self.private,
-            self.keep_local,
-            constants.ENDPOINT,
-            get_token(),
-            RETRY_BUDGET if self.retry_budget is None else self.retry_budget,
+            self.push_to, branch, self.private, self.keep_local, constants.ENDPOINT, get_token(), budget
         )
-        return publication(self.load_model(), target, self.commit_every, self.force)
+        made = publication(self.load_model(), target, self.commit_every, self.force)
+        if not self.text_only and self.out_dir:
+            made.singles = self._singles
+        return made
+
+    def _singles(self, run_token: str) -> list[Any]:
+        """The files a published run makes beside its split set, as part of the run: the standalone
+        tokenizer GGUF and the model's single file (the mmproj); their records."""
+        from k3lab.pipeline.writing.folder import OutputFolder
+        from k3lab.pipeline.writing.single import convert_single, convert_tokenizer
+
+        model, folder = self.load_model(), OutputFolder(self.out_dir or "")
+        options, _ = self.run_options()
+        base = options.basename or model.default_basename
+        made = []
+        if model.tokenizer_kvs is not None:
+            out = folder.output(f"{base}-tokenizer.gguf")
+            convert_tokenizer(model, self.meta or "", out, options.chat_template, run_token)
+            made.append("tokenizer")
+        if model.single is not None:
+            out = folder.output(f"mmproj-{base}-BF16.gguf")
+            convert_single(model, self.output_source(), out, run_token)
+            made.append(model.single.key)
+        records = [folder.read_record(f"{key}.json") for key in made]
+        return [r for r in records if r is not None]
 
 
 @functools.lru_cache(maxsize=8)
@@ -189,7 +210,6 @@ def plan(req: Request, say: Say | None = None) -> Any:
     """The plan of converting the request's source (saved in ``out_dir`` when given, as convert would)."""
     from k3lab.pipeline.planning.planner import build_plan
     from k3lab.pipeline.running.runner import start_run
-    from k3lab.pipeline.sources import open_source
     from k3lab.pipeline.writing.folder import check_basename
 
     model = req.load_model()
@@ -197,10 +217,8 @@ def plan(req: Request, say: Say | None = None) -> Any:
     if req.out_dir:
         with start_run(model, req.output_source(), req.out_dir, options, say=say) as (the_plan, _, _):
             return the_plan
-    with scratch(req) as tmp:
-        source = open_source(req.source(tmp), fresh=True)
-        source.fetch_meta()
-        basename = check_basename(model.default_basename if options.basename is None else options.basename)
+    basename = check_basename(model.default_basename if options.basename is None else options.basename)
+    with opened_source(req) as source:
         cfg = model.load_config(Path(req.meta or ""))
         return build_plan(model, cfg, source, options.outtype, basename, options.chat_template)
 
@@ -209,10 +227,6 @@ def convert(req: Request, say: Say | None = None, run_token: str | None = None) 
     """Convert the requested output files (published when asked): ``k3lab convert``."""
     from k3lab.pipeline.running.runner import convert_shards
 
-    if req.scheduler and req.jobs != 1:
-        raise K3LabError(
-            "--jobs and --scheduler both say where to run: give one (Dask workers set their own)"
-        )
     if not req.out_dir:
         raise K3LabError("--out-dir: give the folder to write the set into")
     spec = req.output_source()
@@ -283,30 +297,21 @@ def verify(
     picked = bool(every or sample or tensors)
     choice = Choice(every, sample, tensors, seed) if picked or remote else None
     if remote:
-        report = _verify_repo(req, choice, set_revision, rederive)
+        from huggingface_hub import constants, get_token
+
+        from k3lab.pipeline.checking.hub_set import verify_at
+        from k3lab.pipeline.sources.retry import RETRY_BUDGET
+
+        budget = RETRY_BUDGET if req.retry_budget is None else req.retry_budget
+        with contextlib.ExitStack() as stack:
+            source = stack.enter_context(opened_source(req)) if rederive else None
+            args = (req.out_dir or "", set_revision, constants.ENDPOINT, get_token(), budget)
+            report = verify_at(*args, choice=choice, model=req.load_model(), source=source)
     else:
         with scratch(req) as tmp:
             spec = req.source(tmp) if rederive else None
             report = verify_set(req.out_dir, manifest, spec, req.load_model(), quiet=req.quiet, choice=choice)
     return Verified(report, rederive, remote, sample, seed, picked)
-
-
-def _verify_repo(req: Request, choice: Any, revision: str | None, rederive: bool) -> Any:
-    from huggingface_hub import constants, get_token
-
-    from k3lab.pipeline.checking.hub_set import Choice, open_repo, verify_repo
-    from k3lab.pipeline.sources.retry import RETRY_BUDGET
-
-    budget = RETRY_BUDGET if req.retry_budget is None else req.retry_budget
-    files = open_repo(req.out_dir or "", revision, constants.ENDPOINT, get_token(), budget)
-    source = opened(req) if rederive else None
-    try:
-        report = verify_repo(files, choice or Choice(), req.load_model(), source)
-    finally:
-        if source is not None:
-            source.close()
-    report.read = files.read
-    return report
 
 
 def vision(req: Request, out: str) -> Path:
@@ -349,7 +354,6 @@ def opened(req: Request, spec: SourceSpec | None = None) -> Any:
 @contextlib.contextmanager
 def opened_source(req: Request) -> Iterator[Any]:
     """The request's source, opened fresh with its metadata, and closed (downloads removed) after."""
-
     with scratch(req) as tmp:
         source = opened(req, req.source(tmp))
         try:

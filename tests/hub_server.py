@@ -132,6 +132,7 @@ class HubServer:
         self.uploads: list[str] = []  # oids PUT, in order
         self.commit_log: list[tuple[str, str, list[str]]] = []  # (repo, commit, paths) of pushed commits
         self.upload_faults = False  # every third PUT answers 500 (huggingface_hub retries it)
+        self.private: set[str] = set()  # repos made private: unseen without the token
         self._puts = 0
         self.first = self._new_commit(files, "initial commit")
         server = self
@@ -260,8 +261,12 @@ class HubServer:
         if repo not in self.repos:
             self._error(h, 404, "RepoNotFound", f"Repository {repo} not found")
             return None
-        if self.token and h.headers.get("Authorization") != f"Bearer {self.token}":
+        authorized = h.headers.get("Authorization") == f"Bearer {self.token}"
+        if self.token and not authorized:
             self._error(h, 401, "RepoNotFound", "Invalid credentials in Authorization header")
+            return None
+        if repo in self.private and not (self.token and authorized):
+            self._error(h, 401, "RepoNotFound", f"Repository Not Found for url: {repo} (private)")
             return None
         commits, branches = self.repos[repo]
         commit = branches.get(rev, rev if rev in commits else None)
@@ -280,7 +285,13 @@ class HubServer:
                 s["lfs"] = {"size": len(data), "sha256": sha256_of(data), "pointerSize": 134}
             siblings.append(s)
         body = json.dumps(
-            {"id": repo, "modelId": repo, "sha": commit, "private": False, "siblings": siblings}
+            {
+                "id": repo,
+                "modelId": repo,
+                "sha": commit,
+                "private": repo in self.private,
+                "siblings": siblings,
+            }
         ).encode()
         h.send_response(200)
         h.send_header("Content-Type", "application/json")
@@ -530,6 +541,8 @@ class HubServer:
                     h, {"error": "You already created this model repo", "url": f"{self.url}/{name}"}, 409
                 )
             self.repos[name] = ({}, {})
+            if req.get("private"):
+                self.private.add(name)
             self._new_commit(
                 {".gitattributes": b"*.gguf filter=lfs diff=lfs merge=lfs -text\n"}, "initial commit", name
             )
@@ -541,9 +554,11 @@ class HubServer:
             commits, branches = self.repos[m["repo"]]
             branches.setdefault(m["rev"], branches["main"])
             return self._json(h, {})
+        if m and m["what"] in ("preupload", "commit") and m["rev"] not in self.repos[m["repo"]][1]:
+            return self._error(h, 404, "RevisionNotFound", f"Invalid rev id: {m['rev']}")  # (make it first)
         if m and m["what"] == "preupload":
             req = json.loads(body)
-            files = self.files_of(m["repo"], m["rev"]) if m["rev"] in self.repos[m["repo"]][1] else {}
+            files = self.files_of(m["repo"], m["rev"])
             out = []
             for f in req["files"]:
                 lfs = f["path"].endswith(LFS_SUFFIXES)
@@ -566,7 +581,7 @@ class HubServer:
             lines = [json.loads(line) for line in body.splitlines() if line.strip()]
             branch = m["rev"]
             commits, branches = self.repos[m["repo"]]
-            files = dict(commits[branches[branch]]) if branch in branches else dict(commits[branches["main"]])
+            files = dict(commits[branches[branch]])
             paths = []
             for item in lines:
                 v = item["value"]

@@ -108,6 +108,17 @@ def test_the_card_of_publish_is_the_card_of_convert_push_to(tiny_src: Path, tmp_
         assert pushed.returncode == 0, pushed.stderr
         local = _k3lab(env, "convert", *base, "--out-dir", str(tmp_path / "b"))
         assert local.returncode == 0, local.stderr
+        # the files convert --push-to publishes beside the set, made here by their own commands
+        tok = _k3lab(
+            env,
+            "tokenizer",
+            "--meta",
+            str(tmp_path / "meta"),
+            "--out",
+            str(tmp_path / "b" / "Kimi-K3-tokenizer.gguf"),
+        )
+        vis = _k3lab(env, "vision", *base[:4], "--out", str(tmp_path / "b" / "mmproj-Kimi-K3-BF16.gguf"))
+        assert tok.returncode == 0 and vis.returncode == 0, tok.stderr + vis.stderr
         published = _k3lab(env, "publish", str(tmp_path / "b"), "k3lab-test/B")
         assert published.returncode == 0, published.stderr
         a = hub.files_of("k3lab-test/A")["README.md"].decode()

@@ -253,3 +253,21 @@ def _derive(planned: tuple[Any, Any], source: Any) -> str:
     for piece in derived_pieces(pt, Reader(source, entries)):
         h.update(memoryview(np.ascontiguousarray(piece)).cast("B"))
     return h.hexdigest()
+
+
+def verify_at(
+    repo: str,
+    revision: str | None,
+    endpoint: str | None,
+    token: str | None,
+    budget: float,
+    choice: Choice | None = None,
+    model: Model | None = None,
+    source: Any = None,
+) -> Report:
+    """``verify_repo`` of ``repo`` at ``revision`` (pinned to its commit now); the report says how
+    many bytes were read from the repo."""
+    files = open_repo(repo, revision, endpoint, token, budget)
+    report = verify_repo(files, choice or Choice(), model, source)
+    report.read = files.read
+    return report

@@ -19,6 +19,7 @@ import gguf
 import numpy as np
 from tqdm import tqdm
 
+from k3lab.pipeline.checking.by_tensor import kit_view, verify_by_tensors
 from k3lab.pipeline.checking.report import Report
 from k3lab.pipeline.model import Model
 from k3lab.pipeline.progress import TaskReport
@@ -79,6 +80,9 @@ def verify(
     still in progress). The work is bounded by the records and the files present, never by a count
     a manifest claims."""
     out_dir = Path(out_dir)
+    kit = kit_view(manifest)
+    if kit is not None:
+        return verify_by_tensors(out_dir, kit, choice)
     folder = OutputFolder(out_dir)
     every = load_manifest(out_dir, manifest)
     if only is not None:

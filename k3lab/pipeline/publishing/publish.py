@@ -288,6 +288,9 @@ class Publication:
     commit_every: float = COMMIT_EVERY
     force: bool = False
     extra_names: tuple[str, ...] = ()  # what ``extra_files`` makes (README.md, TENSOR_MAP.md)
+    # the files beside the split set a run publishes too (the mmproj, the tokenizer GGUF): made in
+    # the run's folder once the set is whole, as part of the run (its token); their records
+    singles: Callable[[str], list[Record]] | None = None
 
 
 def open_committer(

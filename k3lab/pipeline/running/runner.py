@@ -21,7 +21,7 @@ from k3lab.pipeline.model import Model
 from k3lab.pipeline.planning.plan import Plan
 from k3lab.pipeline.planning.planner import make_plan, plan_options, still_current
 from k3lab.pipeline.progress import RunProgress
-from k3lab.pipeline.publishing.publish import Committer, Publication, open_committer, published
+from k3lab.pipeline.publishing.publish import Committer, Publication, open_committer, published, upload
 from k3lab.pipeline.running.processes import run_here, run_pool
 from k3lab.pipeline.running.task import Task, run_task
 from k3lab.pipeline.sources import open_source
@@ -283,6 +283,8 @@ def _convert_planned(
         published_to = None
         if committer is not None and not stopped:  # (Ctrl-C: nothing more is written)
             try:
+                if not failures and publication is not None and publication.singles is not None:
+                    _publish_singles(committer, publication, folder, task.run_token)
                 published_to = _final_commit(committer, plan, publication, not failures, task.out_dir)
             except K3LabError as e:
                 late.append(e)
@@ -311,6 +313,24 @@ def _record_published(folder: OutputFolder, committer: Committer, result: FileRe
         return
     folder.write_record(result.record)
     committer.add(result.upload, result.record)
+
+
+def _publish_singles(
+    committer: Committer, publication: Publication, folder: OutputFolder, token: str
+) -> None:
+    """The files beside the set (the mmproj, the tokenizer GGUF), made here as part of this run and
+    uploaded like the set's files (the local copies go unless ``keep_local``); committed with the
+    set's last files. A run that uploaded nothing to a repo holding them already makes none."""
+    target = publication.target
+    if committer.uploaded == 0 and any(not r.is_text for r in committer.state.records.values()):
+        return
+    for rec in publication.singles(token) if publication.singles else []:
+        op = upload(target, folder.output(rec.file))  # (a blob the repo has already is not sent again)
+        rec.sha256 = op.upload_info.sha256.hex()
+        folder.write_record(rec)
+        committer.add(op, rec)
+        if not target.keep_local:
+            folder.remove_output(rec.file)
 
 
 def _final_commit(

@@ -19,8 +19,9 @@ A record (``Record.to_json``):
   offset is absolute in the file; sha256 is over the tensor's canonical GGML bytes.
 
 The manifest: {"format": FORMAT, "files": [record, ...], "published": {"repo", "branch", "made",
-"commit"} (once published; "commit" only in a local copy: a repo cannot name its own commit)}, keys
-sorted.
+"commit"} (once published; "commit" only in a local copy: a repo cannot name its own commit),
+"tensors": {NAME: {"sha256", "type", "ne"}} (every tensor by name, the seed kit's view of the same
+records)}, keys sorted.
 """
 
 from __future__ import annotations

@@ -49,8 +49,9 @@ def plan_single(model: Model, cfg: Any, source: Source) -> list[PlannedTensor]:
     return planned
 
 
-def convert_single(model: Model, spec: SourceSpec, out: str | Path) -> Path:
-    """Write the model's single file (the mmproj) and its record (``OUT_DIR/.k3lab/KEY.json``)."""
+def convert_single(model: Model, spec: SourceSpec, out: str | Path, run_token: str | None = None) -> Path:
+    """Write the model's single file (the mmproj) and its record (``OUT_DIR/.k3lab/KEY.json``),
+    holding the folder (or, with ``run_token``, as part of the run that holds it)."""
     single = model.single
     if single is None:
         raise K3LabError(f"{model.name}: has no single-file output")
@@ -63,7 +64,7 @@ def convert_single(model: Model, spec: SourceSpec, out: str | Path) -> Path:
     planned = plan_single(model, cfg, source)
     files = sorted({source.weight_map[n] for pt in planned for n in pt.sources})
     kvs = single.kvs(cfg, Path(spec.meta_dir))
-    with folder.hold():
+    with folder.hold(run_token):
         folder.check_single_output(out)  # (a plan saved meanwhile)
         return _write_single(folder, single, out, kvs, planned, source, files)
 
@@ -97,10 +98,14 @@ def _write_single(
 
 
 def convert_tokenizer(
-    model: Model, meta_dir: str | Path, out: str | Path, chat_template: str | None = None
+    model: Model,
+    meta_dir: str | Path,
+    out: str | Path,
+    chat_template: str | None = None,
+    run_token: str | None = None,
 ) -> Path:
     """The standalone tokenizer GGUF (vocabulary and hyperparameters, no tensors), with its manifest
-    record beside it, written holding the folder's lock."""
+    record beside it, written holding the folder's lock (or as part of the run holding it)."""
     if model.tokenizer_kvs is None:
         raise K3LabError(f"{model.name}: has no standalone tokenizer")
     out = Path(out)
@@ -109,7 +114,7 @@ def convert_tokenizer(
     kvs = model.tokenizer_kvs(
         Path(meta_dir), chat_template
     )  # every input checked before the folder is touched
-    with folder.hold():
+    with folder.hold(run_token):
         folder.check_single_output(out)
         write_metadata_only(out, model.name, kvs)
         folder.record_single(out, "tokenizer", "tokenizer", out.stat().st_size, [])
