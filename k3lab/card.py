@@ -173,8 +173,34 @@ def card_fields(
         "download_mmproj": with_mmproj,
         "download_verify": to_verify,
         "chat_template": "embedded" if (plan.inputs.get("options") or {}).get("chat_template") else "none",
+        "singles_section": _singles_section(
+            model, local, text[0].file if text else "", mmproj, tokenizer, with_mmproj
+        ),
         "metadata_table": metadata_table(kvs),
     }
+
+
+def _singles_section(model: Model, local: str, first: str, mmproj: str, tokenizer: str, download: str) -> str:
+    """The card's part on the files beside the set (empty when there are none)."""
+    parts = []
+    if mmproj:
+        note = model.front.vision_note if model.front else ""
+        parts += [
+            f"`{mmproj}` holds the vision tower and projector as a llama.cpp `clip` mmproj. {note}",
+            "",
+            "```bash",
+            download,
+            f'llama-mtmd-cli -m {local}/{first} --mmproj {local}/{mmproj} --image IMAGE.jpg -p "Describe the image."',
+            "```",
+            "",
+        ]
+    if tokenizer:
+        parts += [
+            f"`{tokenizer}` holds the vocabulary and every hyperparameter, no weights: for tools that only "
+            "tokenize or read the metadata (llama.cpp's `vocab_only` loading).",
+            "",
+        ]
+    return ("## Beside the set\n\n" + "\n".join(parts)) if parts else ""
 
 
 def render_card(template: str, fields: dict[str, Any]) -> str:

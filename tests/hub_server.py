@@ -40,6 +40,32 @@ def sha256_of(data: bytes) -> str:
     return data.sha256() if isinstance(data, FileBlob) else hashlib.sha256(data).hexdigest()
 
 
+# a part of the Hub's model card rules (https://huggingface.co/docs/hub/model-cards): enough to refuse
+# what a converter gets wrong (an unknown license without its name and link, a made-up relation)
+LICENSES = {"apache-2.0", "mit", "openrail", "llama3", "gemma", "cc-by-4.0", "cc-by-nc-4.0", "other", "unknown"}
+RELATIONS = {"adapter", "merge", "quantized", "finetune"}
+PIPELINE_TAGS = {"text-generation", "image-text-to-text", "feature-extraction"}
+
+
+def validate_card(content: str) -> list[str]:
+    import yaml
+
+    m = re.match(r"---\n(.*?)\n---\n", content, re.S)
+    if not m:
+        return ["no YAML front matter"]
+    data = yaml.safe_load(m[1]) or {}
+    errors = []
+    if data.get("license") not in LICENSES:
+        errors.append(f"license {data.get('license')!r} is not a license id")
+    if data.get("license") == "other" and not (data.get("license_name") and data.get("license_link")):
+        errors.append("license other needs license_name and license_link")
+    if "base_model_relation" in data and data["base_model_relation"] not in RELATIONS:
+        errors.append(f"base_model_relation {data['base_model_relation']!r}")
+    if "pipeline_tag" in data and data["pipeline_tag"] not in PIPELINE_TAGS:
+        errors.append(f"pipeline_tag {data['pipeline_tag']!r}")
+    return errors
+
+
 class FileBlob:
     """A large file served from disk, never read whole (the real-size `full` checkpoint, sparse; a
     full-size GGUF set). Files over ``HASHED`` bytes get a stand-in oid (the test Hub does not hash
@@ -517,6 +543,7 @@ class HubServer:
             self.token
             and h.headers.get("Authorization") != f"Bearer {self.token}"
             and not path.startswith("/lfs-upload/")
+            and path != "/api/validate-yaml"
         ):
             return self._error(h, 401, "", "Invalid credentials in Authorization header")
         if method == "PUT" and (m := re.fullmatch(r"/lfs-upload/(?P<oid>[0-9a-f]{64})", path)):
@@ -532,6 +559,9 @@ class HubServer:
                 self.uploads.append(m["oid"])
             return self._json(h, {})
         if path == "/api/validate-yaml":
+            errors = validate_card(json.loads(body).get("content", ""))
+            if errors:
+                return self._error(h, 400, "", "; ".join(errors))
             return self._json(h, {"warnings": [], "errors": []})
         if path == "/api/repos/create":
             req = json.loads(body)
@@ -541,7 +571,7 @@ class HubServer:
                     h, {"error": "You already created this model repo", "url": f"{self.url}/{name}"}, 409
                 )
             self.repos[name] = ({}, {})
-            if req.get("private"):
+            if req.get("private") or req.get("visibility") == "private":
                 self.private.add(name)
             self._new_commit(
                 {".gitattributes": b"*.gguf filter=lfs diff=lfs merge=lfs -text\n"}, "initial commit", name

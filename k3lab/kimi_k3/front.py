@@ -42,4 +42,9 @@ FRONT = Front(
     tags=TAGS,
     chat_template=chat_template_choice,
     demo=_demo,
+    vision_note=(
+        "llama.cpp's multimodal tools read it as Kimi-K2.5's MoonViT projector (`clip.projector_type` "
+        "`kimik25`), whose layout K3's tower follows; k3lab checks its bytes, not what a llama.cpp build "
+        "answers about an image with the `kimi-k3` text model: treat image input as experimental."
+    ),
 )

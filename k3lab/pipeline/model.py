@@ -121,7 +121,8 @@ class Front:
     - ``tags``: what each rule's unit and config tags mean, in words (TENSOR_MAP.md);
     - ``chat_template``: (meta folder, ``--chat-template`` file or None) -> (the template to embed
       or None for the source's own, one line saying which and what it means for llama.cpp);
-    - ``demo``: (folder, seed) -> writes a small synthetic checkpoint there (``k3lab demo``).
+    - ``demo``: (folder, seed) -> writes a small synthetic checkpoint there (``k3lab demo``);
+    - ``vision_note``: what llama.cpp does with the model's single file today (the card says it).
     """
 
     base_model: str
@@ -130,6 +131,7 @@ class Front:
     tags: Mapping[str, str]
     chat_template: Callable[[Path, Path | None], tuple[str | None, str]]
     demo: Callable[[Path, int], Any]
+    vision_note: str = ""  # what llama.cpp does with the model's mmproj today, in a sentence or two
 
 
 @dataclass(frozen=True, eq=False)

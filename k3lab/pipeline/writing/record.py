@@ -308,15 +308,22 @@ class Published:
 
 def write_manifest(fh: BinaryIO, records: Iterable[Record], published: Published | None = None) -> None:
     """``MANIFEST.json``, streamed one record at a time (at real scale the records add up to tens of
-    MB), keys sorted: the one writer of a manifest, in an output folder and in a repo."""
+    MB), keys sorted: the one writer of a manifest, in an output folder and in a repo. Beside the
+    records, ``tensors`` gives every tensor by name as the seed kit reads a manifest
+    (``{"sha256", "type": GGML type number, "ne"}``): a view of the same records, not a second truth."""
+    from gguf import GGMLQuantizationType
+
     fh.write(b'{\n "files": [')
-    sep = b"\n"
+    sep, view = b"\n", {}
     for rec in records:
         fh.write(sep + json.dumps(rec.to_json(), indent=1, sort_keys=True).encode())
         sep = b",\n"
+        for t in rec.tensors:
+            view[t.name] = {"ne": list(t.ne), "sha256": t.sha256, "type": int(GGMLQuantizationType[t.type])}
     fh.write(f'\n ],\n "format": {json.dumps(FORMAT)}'.encode())
     if published is not None:
         fh.write(b',\n "published": ' + json.dumps(published.to_json(), sort_keys=True).encode())
+    fh.write(b',\n "tensors": ' + json.dumps(view, sort_keys=True).encode())
     fh.write(b"\n}\n")
 
 
