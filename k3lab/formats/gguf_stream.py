@@ -118,8 +118,13 @@ class GGUFStream:
         kvs: Sequence[KV],
         infos: Sequence[TensorInfo],
         before_commit: Callable[[], None] | None = None,
+        file_sha256: bool = False,
     ):
         self.path = Path(path)
+        # the whole file's SHA-256, made as its bytes go out (on the hashing thread, in file order),
+        # when asked for: what an upload needs, so that nothing reads the finished file to hash it
+        self._whole = hashing.sha256() if file_sha256 else None
+        self.file_sha256: str | None = None
         self.before_commit = before_commit  # may refuse the finished file: then it is deleted
         self.partial = partial_path(self.path)
         self.infos = list(infos)
@@ -153,6 +158,10 @@ class GGUFStream:
             self._writer.write_ti_data_to_file()
             self._fh = self._writer.fout[0]
             self._pos = self._fh.tell()  # bytes handed to the I/O thread so far
+            if self._whole is not None:  # the header, as written (small: the only bytes read back)
+                self._fh.flush()
+                with open(self.partial, "rb") as fh:
+                    self._whole.update(fh.read(self._pos))
             self.data_start = self.data_offset_next()
             self._direct = DirectTail.open(self._fh, self.partial) if self.infos else None
         except BaseException as e:
@@ -180,11 +189,15 @@ class GGUFStream:
         """Write on the I/O thread, in order: a write the kernel throttles to the disk's speed then
         overlaps the producer's reading and repacking. Queued with the hashes (``hashing.track``)."""
         self._pos += len(data)
+        if self._whole is not None:
+            hashing.update(self._whole, data)
         self._queue(self._write_now, data, what)
 
     def _submit_placed(self, block: np.ndarray, lead: int, nbytes: int, what: str) -> None:
         """Like ``_submit_write`` for a piece made in ``block[lead:lead + nbytes]`` (see ``buffer``)."""
         self._pos += nbytes
+        if self._whole is not None:
+            hashing.update(self._whole, block[lead : lead + nbytes])
         self._queue(self._write_placed_now, block, lead, nbytes, what)
 
     def _queue(self, fn: Callable[..., None], *args: Any) -> None:
@@ -319,6 +332,10 @@ class GGUFStream:
                 pad = -self._pos % ALIGNMENT
                 if pad and self.infos:
                     self._write_now(b"\0" * pad, "the end of the file")
+                    if self._whole is not None:
+                        self._whole.update(b"\0" * pad)
+                if self._whole is not None:
+                    self.file_sha256 = self._whole.hexdigest()
                 if self._direct is not None:
                     self._direct.finish()
                 fh.flush()

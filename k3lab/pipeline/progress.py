@@ -63,6 +63,11 @@ class TaskReport:
         self._send("down", n)
         self.check()
 
+    def uploaded(self, n: int) -> None:
+        self.down_bytes += n  # (bytes that crossed the link: the retry budget's progress too)
+        self._send("up", n)
+        self.check()
+
     def retried(self, text: str) -> None:
         self._send("retry", text)
 
@@ -101,8 +106,10 @@ class RunProgress:
         self.bar = bar  # a tqdm (disabled when quiet)
         self.read: dict[int, int] = {}
         self.down = 0
+        self.up = 0
         self.retries = 0
         self.last_retry = ""
+        self._retried_at = 0.0
         self.running: dict[int, str] = {}  # number -> who converts it
         self.done: set[int] = set()
         self._t0 = time.monotonic()
@@ -122,9 +129,12 @@ class RunProgress:
             self.bar.update(value)
         elif kind == "down":
             self.down += value
+        elif kind == "up":
+            self.up += value
         elif kind == "retry":
             self.retries += 1
             self.last_retry = str(value)
+            self._retried_at = time.monotonic()
         self._postfix()
 
     def finished(self, number: int, nbytes: int) -> None:
@@ -137,14 +147,21 @@ class RunProgress:
         self._postfix(force=True)
 
     def _postfix(self, force: bool = False) -> None:
+        """Beside the bar (source bytes converted): bytes down and up with their rates, and, while
+        the Hub fails, for how long and how much of the budget is left (the last retry's words)."""
         t = time.monotonic()
-        if not (self.down or self.retries) or (not force and t - self._shown < 0.5):
+        if not (self.down or self.up or self.retries) or (not force and t - self._shown < 0.5):
             return
         self._shown = t
         parts = []
+        span = max(t - self._t0, 1e-6)
         if self.down:
-            rate = self.down / max(t - self._t0, 1e-6)
-            parts.append(f"downloaded {human_bytes(self.down)} at {human_bytes(rate)}/s")
+            parts.append(f"down {human_bytes(self.down)} at {human_bytes(self.down / span)}/s")
+        if self.up:
+            parts.append(f"up {human_bytes(self.up)} at {human_bytes(self.up / span)}/s")
         if self.retries:
-            parts.append(f"{self.retries} retries")
+            outage = t - self._retried_at < 15 and "failing for" in self.last_retry
+            parts.append(
+                f"{self.retries} retries" + (f"; {self.last_retry.rsplit(': ', 1)[-1]}" if outage else "")
+            )
         self.bar.set_postfix_str(", ".join(parts), refresh=False)

@@ -32,7 +32,7 @@ class _WorkerEmitter:
     def __call__(self, msg: Message) -> None:
         kind, number, value = msg
         with self.lock:
-            if kind in ("read", "down"):
+            if kind in ("read", "down", "up"):
                 self.pending[(kind, number)] = self.pending.get((kind, number), 0) + int(value)
                 if time.monotonic() - self.last < FLUSH_EVERY:
                     return

@@ -11,7 +11,7 @@ import queue as queue_mod
 import signal
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -24,18 +24,55 @@ from k3lab.pipeline.writing.folder import OutputFolder
 
 
 def run_here(task: Task, todo: list[int], progress: RunProgress, results: list, failures: dict) -> None:
+    """One file after another, as a pipeline: file k converts while shard k+1 downloads (the
+    source's prefetch) and file k-1 uploads (one upload at a time, on a thread of its own), so that
+    at most two source shards and two output files are on disk at once."""
     q: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
     task_mod.progress_queue = q
+    task_mod.stopping.clear()
+    uploads = ThreadPoolExecutor(1, thread_name_prefix="k3lab-upload")
+    uploading: FileResult | None = None
+
+    def settle(result: FileResult | None) -> bool:
+        """The upload of ``result`` done: its result counted, or its failure; False: stop the run."""
+        if result is None:
+            return True
+        try:
+            result.pending.result()
+            result.pending = None
+            results.append(result)
+        except K3LabError as e:
+            failures[result.number] = e
+            return not gives_up(e)
+        return True
+
     try:
         for i, k in enumerate(todo):
             try:
-                results.append(run_task(task, k, todo[i + 1] if i + 1 < len(todo) else None))
+                result = run_task(task, k, todo[i + 1] if i + 1 < len(todo) else None, uploads=uploads)
             except K3LabError as e:  # a bad shard does not stop the others; the machine's trouble does
                 failures[k] = e
                 if gives_up(e):
                     break
+                result = None
+            if result is not None and result.pending is None:
+                results.append(result)
+            elif result is not None:
+                go_on = settle(uploading)  # (the one before: one upload in flight at a time)
+                uploading = result
+                if not go_on:
+                    break
             _drain(q, progress)
+        settle(uploading)
+        uploading = None
+    except BaseException:  # Ctrl-C, SIGTERM: the upload in flight stops at its next piece
+        task_mod.stopping.set()
+        raise
     finally:
+        if uploading is not None:
+            with contextlib.suppress(BaseException):
+                uploading.pending.result()
+        uploads.shutdown(wait=True)
         task_mod.progress_queue = None
         _drain(q, progress)
 

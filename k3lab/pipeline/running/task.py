@@ -53,6 +53,7 @@ def task_plan(model: Model, out_dir: str, plan_digest: str) -> Plan:
 
 # where this process's tasks report: set in worker processes by init_worker, and by run_here
 progress_queue: Any = None
+stopping = threading.Event()  # this process's run stopped: a background upload hears it and stops
 
 
 def _task_report(task: Task, number: int) -> TaskReport:
@@ -62,7 +63,7 @@ def _task_report(task: Task, number: int) -> TaskReport:
         emit, stop = worker_channel(task.channel)
         return TaskReport(number, emit, stop)
     q = progress_queue
-    return TaskReport(number, q.put if q is not None else None)
+    return TaskReport(number, q.put if q is not None else None, stopping.is_set)
 
 
 def worker_folder(task: Task) -> tuple[str, SourceSpec]:
@@ -78,10 +79,16 @@ def worker_folder(task: Task) -> tuple[str, SourceSpec]:
 
 
 def run_task(
-    task: Task, number: int, next_number: int | None = None, plan_state: dict[str, bytes] | None = None
+    task: Task,
+    number: int,
+    next_number: int | None = None,
+    plan_state: dict[str, bytes] | None = None,
+    uploads: Any = None,
 ) -> FileResult:
     """Convert output file ``number`` (and, with ``push``, publish it): the task every runner runs.
-    ``plan_state``: the saved plan's files, for a worker writing a folder of its own."""
+    ``plan_state``: the saved plan's files, for a worker writing a folder of its own. ``uploads``: an
+    executor the upload goes to, so that it overlaps the next conversion (``result.pending`` then
+    says when it is done); on Dask the task leaves the worker's thread pool while it uploads."""
     report = _task_report(task, number)
     report.started(worker_name())
     try:
@@ -104,9 +111,23 @@ def run_task(
         global _converting
         _converting += 1
         try:
-            result = convert_file(plan, number, source, out_dir, task.force, report, before_commit)
-            if task.push is not None:
-                _publish_file(task.push, folder, plan.file(number).filename, number, report, result)
+            push = task.push
+            result = convert_file(
+                plan, number, source, out_dir, task.force, report, before_commit, push is not None
+            )
+            if push is None:
+                return result
+            publish = functools.partial(
+                _publish_file, push, folder, plan.file(number).filename, number, report, result
+            )
+            if task.channel:  # on Dask: the worker's thread goes to its next shard while this one uploads
+                from distributed import secede
+
+                secede()
+            elif uploads is not None:  # this process: the upload overlaps the next conversion
+                result.pending = uploads.submit(publish)
+                return result
+            publish()
             return result
         finally:
             _converting -= 1
@@ -122,7 +143,8 @@ def _publish_file(
     record = folder.text_record(number)
     if record is None:  # convert_file has just written or found it: never
         raise K3LabError(f"{folder.output(filename)}: no record after converting it")
-    result.upload = upload(push, folder.output(filename), report)
+    # the file's SHA-256 was made as it was written (a file found complete is hashed by the upload)
+    result.upload = upload(push, folder.output(filename), report, record.sha256)
     record.sha256 = result.upload.upload_info.sha256.hex()
     folder.write_record(record)
     result.record = record

@@ -37,7 +37,18 @@ def _status(e: BaseException) -> int | None:
 
 
 def is_transient(e: BaseException) -> bool:
-    """Whether trying again later may succeed: the network or the Hub's load, not the request."""
+    """Whether trying again later may succeed: the network or the Hub's load, not the request. An
+    error huggingface_hub wraps (an upload's ``RuntimeError("Error while uploading ...")``) is
+    judged by what it wraps."""
+    seen = 0
+    while e.__cause__ is not None and seen < 8 and not _status(e):
+        if _one_transient(e):
+            return True
+        e, seen = e.__cause__, seen + 1
+    return _one_transient(e)
+
+
+def _one_transient(e: BaseException) -> bool:
     import httpx2
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
@@ -117,7 +128,10 @@ def with_retries(
             delay = min(MAX_DELAY, base_delay * 2**attempt) * random.uniform(0.8, 1.2)
             delay = max(delay, min(_retry_after(e) or 0.0, MAX_DELAY * 4))
             delay = min(delay, max(0.1, budget - (now - first_failure)))
-            report.retried(f"{what}: {_reason(e)}")
+            report.retried(
+                f"{what}: {_reason(e)}: the Hub failing for {now - first_failure:.0f} s, "
+                f"{budget - (now - first_failure):.0f} s of the budget left"
+            )
             attempt += 1
             end = time.monotonic() + delay
             while (left := end - time.monotonic()) > 0:
@@ -131,14 +145,15 @@ current = threading.local()  # the report of the download running in this thread
 
 
 class _Folded(logging.Filter):
-    """huggingface_hub's download warnings ("Error while downloading ... Trying to resume") become
-    retries in the report of the download that raised them, not lines on the terminal."""
+    """huggingface_hub's retry warnings ("Retrying in 1s", "Trying to resume") are k3lab's to count
+    and say: a retry in the report of the transfer that raised them, never a line on the terminal
+    (k3lab's own retries, and the budget, are in the one bar); errors still show."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        report = getattr(current, "report", None)
-        if report is None or record.levelno > logging.WARNING:
+        if record.levelno > logging.WARNING:
             return True
-        if record.levelno == logging.WARNING:
+        report = getattr(current, "report", None)
+        if report is not None and record.levelno == logging.WARNING:
             report.retried(record.getMessage().splitlines()[0])
         return False
 
@@ -147,7 +162,7 @@ _FOLDED = _Folded()
 
 
 def fold_hf_logging() -> None:
-    for name in ("huggingface_hub.file_download", "huggingface_hub.utils._http"):
+    for name in ("huggingface_hub.file_download", "huggingface_hub.utils._http", "huggingface_hub.lfs"):
         logger = logging.getLogger(name)
         if _FOLDED not in logger.filters:
             logger.addFilter(_FOLDED)

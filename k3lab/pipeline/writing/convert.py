@@ -87,12 +87,14 @@ def write_tensors(
     reader: Reader,
     source_files: dict[str, str],
     before_commit: Callable[[], None] | None = None,
-) -> tuple[list[TensorRecord], int]:
+    file_sha256: bool = False,
+) -> tuple[list[TensorRecord], int, str | None]:
     """Stream planned tensors into one GGUF file; returns their manifest entries and the data start.
     ``source_files`` names the file each source tensor came from (for the record); ``before_commit``
-    may still refuse the finished file (its run stopped): it is then removed, never renamed."""
+    may still refuse the finished file (its run stopped): it is then removed, never renamed. With
+    ``file_sha256``, the whole file's SHA-256 too (made as the bytes go out: an upload needs it)."""
     records = []
-    with GGUFStream(path, arch, kvs, [t.info for t in tensors], before_commit) as g:
+    with GGUFStream(path, arch, kvs, [t.info for t in tensors], before_commit, file_sha256) as g:
         for pt in tensors:
             offset = g.data_offset_next()
             sha = g.write(pt.name, tensor_pieces(pt, reader, g.buffer))
@@ -108,7 +110,7 @@ def write_tensors(
                     tuple(SourceRef(n, source_files[n]) for n in pt.sources),
                 )
             )
-    return records, g.data_start
+    return records, g.data_start, g.file_sha256
 
 
 def worker_name() -> str:
@@ -125,6 +127,7 @@ class FileResult:
     worker: str = field(default_factory=worker_name)  # host:pid of the process that did it
     record: Record | None = None  # published: the file's record (the client keeps it)
     upload: Any = None  # published: the uploaded file's operation, for the client's commit
+    pending: Any = None  # published in the background: a future that is done when it is uploaded
 
 
 def file_kvs(plan: Plan, number: int, folder: OutputFolder) -> list[KV]:
@@ -153,6 +156,7 @@ def convert_file(
     force: bool = False,
     report: TaskReport = NO_REPORT,
     before_commit: Callable[[], None] | None = None,
+    file_sha256: bool = False,
 ) -> FileResult:
     """Write output file ``number`` (1-based) unless a complete, matching one is already there.
     ``before_commit`` runs before the finished file is renamed into place and before its record is
@@ -170,7 +174,7 @@ def convert_file(
         entries = shard_entries(plan, number, source)
         reader = Reader(source, entries, report)
         reader.start(n for t in pf.tensors for n in t.sources)
-        records, data_start = write_tensors(
+        records, data_start, whole = write_tensors(
             path,
             plan.model.name,
             kvs,
@@ -178,6 +182,7 @@ def convert_file(
             reader,
             dict.fromkeys(entries, pf.source_file),
             before_commit,
+            file_sha256,
         )
     finally:
         source.release(pf.source_file)
@@ -199,6 +204,7 @@ def convert_file(
             outtype=plan.outtype,
             source={"file": pf.source_file, **pf.shard},
             identity=identity(path) or {},
+            sha256=whole or "",
         )
     )
     return FileResult(number, pf.filename, False, time.perf_counter() - t0, pf.nbytes)

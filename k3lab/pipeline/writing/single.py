@@ -82,7 +82,7 @@ def _write_single(
         for f in files:
             source.acquire(f)
         entries = {n: e for f in files for n, e in source.shard_header(f)[0].items()}
-        records, data_start = write_tensors(
+        records, data_start, _ = write_tensors(
             out,
             single.arch,
             kvs,
