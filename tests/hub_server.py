@@ -42,7 +42,17 @@ def sha256_of(data: bytes) -> str:
 
 # a part of the Hub's model card rules (https://huggingface.co/docs/hub/model-cards): enough to refuse
 # what a converter gets wrong (an unknown license without its name and link, a made-up relation)
-LICENSES = {"apache-2.0", "mit", "openrail", "llama3", "gemma", "cc-by-4.0", "cc-by-nc-4.0", "other", "unknown"}
+LICENSES = {
+    "apache-2.0",
+    "mit",
+    "openrail",
+    "llama3",
+    "gemma",
+    "cc-by-4.0",
+    "cc-by-nc-4.0",
+    "other",
+    "unknown",
+}
 RELATIONS = {"adapter", "merge", "quantized", "finetune"}
 PIPELINE_TAGS = {"text-generation", "image-text-to-text", "feature-extraction"}
 

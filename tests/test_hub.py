@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from dask_helpers import dask_cluster
@@ -329,3 +330,57 @@ def _convert_args(tmp: Path, *extra: str) -> list[str]:
         "--quiet",
         *extra,
     ]
+
+
+def test_a_download_cut_half_way_resumes_from_its_last_byte(tiny_src: Path, tmp_path: Path) -> None:
+    """A shard's download cut half way (the connection dropped), then the Hub unreachable for a few
+    seconds: the download continues from the byte it had, in the next attempt; the Hub serves the
+    shard's bytes hardly more than once in all, and the file converts to the local bytes."""
+    index = json.loads((tiny_src / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"]["language_model.model.layers.2.input_layernorm.weight"]
+    size = (tiny_src / shard).stat().st_size
+    with HubServer(tiny_src, faults=True) as hub:
+        hub.throttle = 100_000  # ~4 s for the shard: time for the outage to land mid-transfer
+        plan = _convert(hub, tmp_path, "--shards", "1")  # plans (headers) and converts file 1
+        assert plan.returncode == 0, plan.stderr
+        served_before = hub.served_bytes(shard)
+        run = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "k3lab.cli",
+                "convert",
+                "--repo",
+                REPO,
+                "--meta",
+                str(tmp_path / "meta"),
+                "--out-dir",
+                str(tmp_path / "out"),
+                "--scratch",
+                str(tmp_path / "scratch"),
+                "--shards",
+                "3",
+                "--quiet",
+            ],
+            env=hub.client_env(tmp_path),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        while shard not in hub.cut:  # the first transfer of the shard was cut half way
+            time.sleep(0.02)
+        hub.outage(3)
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err
+        served = hub.served_bytes(shard) - served_before
+        resumed = [a for p, a in hub.downloads() if p == shard and a > 0]
+    assert resumed, "no ranged request continued the download"
+    assert served < 1.1 * size, (served, size)
+    name = next(p.name for p in (tmp_path / "out").glob("*-00003-of-*.gguf"))
+    local = tmp_path / "local"
+    from k3lab.cli import main
+
+    assert (
+        main(["convert", "--meta", str(tiny_src), "--out-dir", str(local), "--shards", "3", "--quiet"]) == 0
+    )
+    assert (tmp_path / "out" / name).read_bytes() == (local / name).read_bytes()

@@ -325,3 +325,105 @@ def test_publishing_flags_without_a_repo_are_one_line_and_write_nothing(
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and needle in err[0], err
     assert not out.exists()
+
+
+def test_a_published_file_is_read_once_after_it_is_written(
+    tiny_src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole file's SHA-256 is made as the file is written: the upload is the only read of a
+    finished file (every byte once, counted where huggingface_hub reads the operation's file), and
+    huggingface_hub never reads one to hash it."""
+    import huggingface_hub.lfs
+    from huggingface_hub import constants
+
+    from k3lab import request
+    from k3lab.pipeline.publishing import publish
+
+    read: dict[str, int] = {}
+    real = publish._Reading.readinto
+
+    def counted(self, buffer):  # type: ignore[no-untyped-def]
+        n = real(self, buffer)
+        read[Path(self.fh.name).name] = read.get(Path(self.fh.name).name, 0) + n
+        return n
+
+    def no_hashing(fileobj):  # type: ignore[no-untyped-def]
+        raise AssertionError(f"{getattr(fileobj, 'name', fileobj)} read to be hashed")
+
+    monkeypatch.setattr(publish._Reading, "readinto", counted)
+    monkeypatch.setattr(huggingface_hub.lfs, "sha_fileobj", no_hashing)
+    with HubServer(tiny_src, token=TOKEN) as hub:
+        for k, v in _env(hub, tmp_path).items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(
+            constants, "HF_HUB_DISABLE_XET", True
+        )  # (read at import: the loopback Hub speaks LFS)
+        req = request.Request(
+            meta=str(tiny_src), out_dir=str(tmp_path / "out"), push_to=TARGET, quiet=True, text_only=True
+        )
+        results = request.convert(req)
+        sizes = {n: len(d) for n, d in _repo_ggufs(hub).items()}
+    assert len(results) == 9 and len(sizes) == 9
+    assert read == sizes  # each file read once, by its upload, whole
+
+
+def _ride_out(hub: HubServer, tmp_path: Path, args: list[str], seconds: float) -> subprocess.CompletedProcess:
+    """Run k3lab; once uploads are under way, the Hub goes down for ``seconds``."""
+    before = len(hub.uploads)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "k3lab.cli", *args],
+        env=_env(hub, tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    while len(hub.uploads) == before:
+        time.sleep(0.02)
+        assert run.poll() is None, run.communicate()
+    hub.outage(seconds)
+    out, err = run.communicate(timeout=seconds + 600)
+    return subprocess.CompletedProcess(run.args, run.returncode, out, err)
+
+
+def test_uploads_ride_out_an_outage_longer_than_huggingface_hubs_retries(
+    tiny_src: Path, tiny_out: Path, tmp_path: Path
+) -> None:
+    """The Hub down for 35 s while files upload (huggingface_hub gives up on its own after ~20 s):
+    the run rides it out within the retry budget, exit 0, the set complete and byte-identical, and
+    none of huggingface_hub's retry lines on the terminal."""
+    with HubServer(tiny_src, token=TOKEN) as hub:
+        hub.throttle = 300_000
+        r = _ride_out(
+            hub, tmp_path, _convert_args(tmp_path, "--push-to", TARGET, "--quiet", "--text-only"), 35
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stderr == "" and r.stdout.count("\n") == 1, (r.stdout, r.stderr)
+        assert hub.dropped > 0
+        for name, data in _repo_ggufs(hub).items():
+            assert data == (tiny_out / name).read_bytes(), name
+        assert len(_repo_ggufs(hub)) == 9
+
+
+@pytest.mark.slow
+def test_a_three_minute_outage_during_uploads_on_dask_and_publish(
+    private_cluster: tuple[str, list[Path]], tiny_src: Path, tiny_out: Path, tmp_path: Path
+) -> None:
+    """A real scheduler and workers that share nothing: the Hub down for 3 minutes while files
+    upload; the run finishes within the default budget, the set complete and byte-identical; and
+    `k3lab publish` of a local set the same."""
+    address, _ = private_cluster
+    with HubServer(tiny_src, token=TOKEN) as hub:
+        hub.throttle = 300_000
+        args = _convert_args(tmp_path, "--push-to", TARGET, "--scheduler", address, "--quiet")
+        r = _ride_out(hub, tmp_path, args, 180)
+        assert r.returncode == 0, r.stderr[-3000:]
+        for name in (p.name for p in tiny_out.glob("*.gguf")):
+            assert _repo_ggufs(hub)[name] == (tiny_out / name).read_bytes(), name
+        out = tmp_path / "set"
+        shutil.copytree(tiny_out, out)
+        p = _ride_out(hub, tmp_path, ["publish", str(out), "k3lab-test/Published"], 180)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert sorted(_repo_ggufs(hub, "k3lab-test/Published")) == sorted(
+            x.name for x in tiny_out.glob("*.gguf")
+        )
