@@ -369,8 +369,9 @@ def test_a_published_file_is_read_once_after_it_is_written(
 
 
 def _ride_out(hub: HubServer, tmp_path: Path, args: list[str], seconds: float) -> subprocess.CompletedProcess:
-    """Run k3lab; once uploads are under way, the Hub goes down for ``seconds``."""
-    before = len(hub.uploads)
+    """Run k3lab; once uploads are under way (its first pre-upload asked), the Hub goes down for
+    ``seconds``."""
+    before = len([r for r in hub.requests if "/preupload/" in r[1]])
     run = subprocess.Popen(
         [sys.executable, "-m", "k3lab.cli", *args],
         env=_env(hub, tmp_path),
@@ -378,7 +379,7 @@ def _ride_out(hub: HubServer, tmp_path: Path, args: list[str], seconds: float) -
         stderr=subprocess.PIPE,
         text=True,
     )
-    while len(hub.uploads) == before:
+    while len([r for r in hub.requests if "/preupload/" in r[1]]) == before:
         time.sleep(0.02)
         assert run.poll() is None, run.communicate()
     hub.outage(seconds)
