@@ -103,7 +103,14 @@ def verify(
     n_tensors = texts[0].split_tensors if texts else 0
     _check_set(folder, model, texts, count, n_tensors, report, complete=only is None)
     total = sum(r.size for r in records + others)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=True if quiet else None)
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="verify",
+        disable=True if quiet else None,
+    )
     names: dict[str, str] = {}
     by_number = {r.number: r.file for r in texts}
     if only is None:  # a .gguf in the folder that the manifest does not know is not part of this set
@@ -252,6 +259,7 @@ def _rederive(
         total=sum(plan.file(r.number).source_bytes for r in records if r.number <= len(plan.files)),
         unit="B",
         unit_scale=True,
+        unit_divisor=1024,
         desc="re-derive",
         disable=True if quiet else None,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 from gguf import GGMLQuantizationType
@@ -111,10 +112,12 @@ def build_plan(
     outtype: str = "auto",
     basename: str | None = None,
     chat_template: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Plan:
     """Plan the conversion of the split set from config, index and every shard's header (one in
     memory at a time), checking every source tensor is used by a rule and every rule finds its
-    sources, with the dtype and shape the config implies."""
+    sources, with the dtype and shape the config implies. ``progress(done, total)`` hears of each
+    unit planned (a Hub source reads a header for each: planning the real model takes a while)."""
     if outtype not in OUTTYPES:
         raise PlanError(f"--outtype {outtype!r}: choose from {', '.join(OUTTYPES)}")
     basename = basename or model.default_basename
@@ -136,7 +139,8 @@ def build_plan(
     config_tags = model.config_tags(cfg)
     used: set[str] = set()
     files: list[PlannedFile] = []
-    for bid in model.units(cfg):
+    units = model.units(cfg)
+    for bid in units:
         tensors: list[PlannedTensor] = []
         homes: set[str] = set()
         home = {weight_map[n] for n in by_unit.get(bid, [])}
@@ -161,6 +165,8 @@ def build_plan(
         pf.memory = file_memory(pf, [source.entry(n) for t in tensors for n in t.sources])
         files.append(pf)
         source.release_header(file)  # one shard's header in memory at a time (the real ones are ~1 MB)
+        if progress is not None:
+            progress(len(files), len(units))
     unused = [n for n in text_names if n not in used]
     if unused:
         raise PlanError(
@@ -233,12 +239,13 @@ def make_plan(
     outtype: str = "auto",
     basename: str | None = None,
     chat_template: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[Plan, list[KV]]:
     """A new plan of converting ``source``, with its inputs' fingerprint, and file 1's KVs."""
     basename = basename or model.default_basename
     options = plan_options(outtype, basename, chat_template)
     cfg = model.load_config(source.meta_dir)
-    plan = build_plan(model, cfg, source, outtype, basename, chat_template)
+    plan = build_plan(model, cfg, source, outtype, basename, chat_template, progress)
     plan.inputs = inputs_fingerprint(model, source, [f.source_file for f in plan.files], options)
     plan.inputs_digest = inputs_digest(plan.inputs)
     return plan, plan_kvs(plan, source.meta_dir, chat_template)

@@ -93,7 +93,16 @@ def prepare(
         saved, source, plan_options(options.outtype, basename, options.chat_template)
     ):
         return saved, None
-    plan, kvs = make_plan(model, source, options.outtype, basename, options.chat_template)
+    bar = tqdm(desc="planning", unit="shard", disable=True if say is None else None, leave=False)
+
+    def planned(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    try:
+        plan, kvs = make_plan(model, source, options.outtype, basename, options.chat_template, planned)
+    finally:
+        bar.close()
     if saved is not None and say is not None:
         say(describe_change(saved, plan))
     return plan, kvs
@@ -248,6 +257,7 @@ def _convert_planned(
         total=sum(plan.file(k).source_bytes for k in todo),
         unit="B",
         unit_scale=True,
+        unit_divisor=1024,
         desc=f"{len(todo)} files",
         disable=disable if todo else True,
     )
