@@ -23,6 +23,10 @@ straightforward implementation), because these machines are shared and noisy. Ro
               notebook 02's view of one layer (bytes against the shard, time against bytes/rate),
               the same view again, notebook 01's planning (every shard's header, nothing else), and
               `verify ORG/NAME` of a sparse full-size GGUF set (headers, --sample 1, --all's memory)
+  dense       one real-size MoE shard with real bytes (a `full` checkpoint's shard 2, its data filled
+              with random bytes: 16 GB), each run from an empty page cache (as root: drop_caches;
+              said when not): convert it, against a `dd iflag=direct oflag=direct` copy of the same
+              file, in paired rounds
   tokenizer   GGUF vocabulary of the real size (163,840 ids) vs the straightforward per-token BPE
               reconstruction (as upstream does it) on the same vocabulary; the merges must agree
 """
@@ -757,6 +761,82 @@ def _rss(pid: int) -> int:
     except OSError:
         pass
     return 0
+
+
+def fill_dense(full: Path, shard: str, dest: Path) -> Path:
+    """A copy of ``full``'s checkpoint folder whose ``shard`` holds real bytes (random, 64 MiB
+    repeated: a disk has no way to tell): the other shards are linked, not copied."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in full.iterdir():
+        if f.name != shard and not (dest / f.name).exists():
+            (dest / f.name).symlink_to(f)
+    target = dest / shard
+    size = (full / shard).stat().st_size
+    if target.exists() and target.stat().st_size == size and target.stat().st_blocks * 512 >= size:
+        return dest
+    head = _first8(full / shard)
+    n = 8 + int.from_bytes(head, "little")
+    block = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8).tobytes()
+    with open(full / shard, "rb") as src, open(target, "wb") as fh:
+        fh.write(src.read(n))
+        left = size - n
+        while left:
+            k = min(left, len(block))
+            fh.write(block[:k])
+            left -= k
+    return dest
+
+
+@row
+def bench_dense() -> list[tuple[str, str, str]]:
+    import subprocess
+    import tempfile
+
+    rows: list[tuple[str, str, str]] = []
+    with tempfile.TemporaryDirectory(prefix="k3lab-bench-", dir=".") as tmp_name:
+        tmp = Path(tmp_name)
+        full = _full_checkpoint(tmp)
+        shard = "model-00002-of-00096.safetensors"
+        dense = fill_dense(full, shard, Path(os.environ.get("K3LAB_DENSE") or tmp / "dense"))
+        out = tmp / "out"
+        k3 = [sys.executable, "-m", "k3lab.cli"]
+        subprocess.run(
+            [*k3, "plan", "--meta", str(dense), "--out-dir", str(out)], check=True, capture_output=True
+        )
+        convert = [*k3, "convert", "--meta", str(dense), "--out-dir", str(out), "--shards", "2", "--quiet"]
+        copy = [
+            "dd",
+            f"if={dense / shard}",
+            f"of={out / 'dd.out'}",
+            "bs=64M",
+            "iflag=direct",
+            "oflag=direct",
+            "conv=fsync",
+            "status=none",
+        ]
+        root = os.geteuid() == 0
+        k3lab_s, dd_s = [], []
+        for _ in range(ROUNDS):
+            _fresh(out)
+            k3lab_s.append(_timed(convert))
+            _fresh(out)
+            dd_s.append(_timed(copy))
+            (out / "dd.out").unlink()
+        ratio = _median([a / b for a, b in zip(k3lab_s, dd_s)])
+        size = (dense / shard).stat().st_size
+        rows.append(
+            (
+                f"dense: one MoE shard of real bytes ({size / 1e9:.1f} GB), cold cache",
+                f"{_median(k3lab_s):.1f} s = {ratio:.2f}x dd direct",
+                f"dd iflag=direct oflag=direct {_median(dd_s):.1f} s ({size / _median(dd_s) / 1e9:.2f} GB/s); "
+                + (
+                    "page cache dropped before each run"
+                    if root
+                    else "NOT root: the page cache was not dropped"
+                ),
+            )
+        )
+    return rows
 
 
 @row

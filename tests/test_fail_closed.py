@@ -268,3 +268,17 @@ def test_verify_says_a_directory_is_a_directory(
     victim.mkdir()
     code, lines = _verify(out, capsys)
     assert code == 1 and f"{victim.name}: is a directory, not a GGUF file" in lines
+
+
+def test_a_manifest_left_half_written_by_a_killed_run_is_removed(
+    tiny_src: Path, tiny_out: Path, tmp_path: Path
+) -> None:
+    """kill -9 while the manifest is written leaves MANIFEST.json.PID.partial: the next run removes it
+    (k3lab's own name), and nothing else of that shape that is not k3lab's."""
+    out = tmp_path / "out"
+    shutil.copytree(tiny_out, out)
+    (out / "MANIFEST.json.4242.partial").write_text("{ half")
+    (out / "MANIFEST.json.notes.partial").write_text("a user's file")
+    assert convert(tiny_src, out) == 0
+    assert not (out / "MANIFEST.json.4242.partial").exists()
+    assert (out / "MANIFEST.json.notes.partial").read_text() == "a user's file"

@@ -420,9 +420,10 @@ class OutputFolder:
 
     def remove_partials(self) -> list[Path]:
         """Delete the ``*.partial`` files a killed run left: regular files of k3lab's naming only
-        (``NAME.gguf.partial`` here, ``NAME.PID.partial`` in ``.k3lab/``), never a symlink's target.
-        Only while holding the folder's lock."""
+        (``NAME.gguf.partial`` and ``MANIFEST.json.PID.partial`` here, ``NAME.PID.partial`` in
+        ``.k3lab/``), never a symlink's target. Only while holding the folder's lock."""
         found = [*self.path.glob(f"*.gguf{PARTIAL}")]
+        found += [p for p in self.path.glob(f"{MANIFEST_NAME}.*{PARTIAL}") if p.name.split(".")[2].isdigit()]
         if self.check_state_dir():
             found += self.state.glob(f"*.json.*{PARTIAL}")
         return [p for p in found if remove_regular(p)]
