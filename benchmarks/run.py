@@ -27,6 +27,11 @@ straightforward implementation), because these machines are shared and noisy. Ro
               with random bytes: 16 GB), each run from an empty page cache (as root: drop_caches;
               said when not): convert it, against a `dd iflag=direct oflag=direct` copy of the same
               file, in paired rounds
+  cluster     one worker publishing 6 MoE layer shards at the real expert dims (16 experts each) from
+              the loopback Hub to the loopback Hub, the link paced both ways (K3LAB_LINK bytes/s down,
+              K3LAB_UPLINK up; default 40e6 each) so that the network sets the pace: wall time against
+              the larger of the download, upload and conversion times plus one shard's fill, beside
+              the same run by K3LAB_BASELINE's code (one step after another)
   tokenizer   GGUF vocabulary of the real size (163,840 ids) vs the straightforward per-token BPE
               reconstruction (as upstream does it) on the same vocabulary; the merges must agree
 """
@@ -834,6 +839,115 @@ def bench_dense() -> list[tuple[str, str, str]]:
                     if root
                     else "NOT root: the page cache was not dropped"
                 ),
+            )
+        )
+    return rows
+
+
+def _six_layers(out: Path) -> Path:
+    """A checkpoint of one dense and six MoE layers at the real expert dims, 16 experts each."""
+    from k3lab.synth import PRESETS, synthesize
+    from k3lab.synth.presets import _small
+
+    if not (out / "config.json").exists():
+        PRESETS["six-layers"] = lambda: _small(
+            7,
+            vocab=1792,
+            hidden=1024,
+            heads=8,
+            ff=2048,
+            q_lora=256,
+            kv_lora=128,
+            nope=64,
+            rope=32,
+            v=64,
+            kda_head=64,
+            experts=16,
+            topk=8,
+            shared=1,
+            moe_ff=3072,
+            latent=3584,
+            res_block=4,
+            vt_layers=1,
+            vt_hidden=64,
+            full_every=2,
+        )
+        synthesize("six-layers", out)
+    return out
+
+
+@row
+def bench_cluster() -> list[tuple[str, str, str]]:
+    import subprocess
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from hub_server import FileBlob, HubServer
+
+    FileBlob.HASHED = 1 << 40  # (these shards are downloaded whole: the Hub must list their real SHA-256)
+    down = float(os.environ.get("K3LAB_LINK", "40e6"))
+    up = float(os.environ.get("K3LAB_UPLINK", "40e6"))
+    root = Path(__file__).resolve().parent.parent
+    base = os.environ.get("K3LAB_BASELINE", "3155acd")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="k3lab-bench-", dir=".") as tmp_name:
+        tmp = Path(tmp_name)
+        src = _six_layers(tmp / "src")
+        k3 = [sys.executable, "-m", "k3lab.cli"]
+        # the conversion alone, from a local copy (what the disk and the CPU take)
+        _fresh(tmp / "local")
+        t = time.perf_counter()
+        subprocess.run(
+            [*k3, "convert", "--meta", str(src), "--out-dir", str(tmp / "local"), "--quiet"],
+            check=True,
+            capture_output=True,
+        )
+        convert_s = time.perf_counter() - t
+        files = sorted(p for p in src.glob("model-*.safetensors"))
+        text = files[:-1]  # (the last shard is the vision tower's)
+        shard_bytes = sum(p.stat().st_size for p in text)
+        out_bytes = sum(p.stat().st_size for p in (tmp / "local").glob("*.gguf"))
+        fill = max(p.stat().st_size for p in text) / down
+        floor = max(shard_bytes / down, out_bytes / up, convert_s)
+        subprocess.run(
+            ["git", "-C", str(root), "worktree", "add", "-q", "--detach", str(tmp / "base"), base], check=True
+        )
+        try:
+            walls = {}
+            for label, tree, extra in (
+                ("k3lab now", root, ["--text-only"]),
+                (f"at {base}", tmp / "base", []),
+            ):
+                # (a fresh Hub per run: a second upload of the same bytes would be deduplicated)
+                with HubServer(src, large=1 << 20) as hub:
+                    env = hub.client_env(tmp / f"client-{len(walls)}")
+                    hub.link = hub.uplink = None  # (planning: headers at full speed)
+                    meta, out = tmp / f"meta-{len(walls)}", tmp / f"out-{len(walls)}"
+                    args = ["--repo", "moonshotai/Kimi-K3", "--meta", str(meta), "--out-dir", str(out)]
+                    run_env = {**env, "PYTHONPATH": str(tree)}
+                    subprocess.run([*k3, "plan", *args], env=run_env, check=True, capture_output=True)
+                    hub.link, hub.uplink = down, up
+                    t = time.perf_counter()
+                    r = subprocess.run(
+                        [*k3, "convert", *args, "--push-to", f"bench/six-{len(walls)}", "--quiet", *extra],
+                        env=run_env,
+                        capture_output=True,
+                        text=True,
+                    )
+                    walls[label] = time.perf_counter() - t
+                    if r.returncode != 0:
+                        raise SystemExit(r.stderr[-2000:])
+        finally:
+            subprocess.run(
+                ["git", "-C", str(root), "worktree", "remove", "--force", str(tmp / "base")], check=False
+            )
+        now, before = walls["k3lab now"], walls[f"at {base}"]
+        rows.append(
+            (
+                "cluster: one worker, 6 MoE shards Hub -> Hub (the network's pace)",
+                f"{now:.1f} s = {now / (floor + fill):.2f}x the floor",
+                f"floor: max(download {shard_bytes / down:.1f} s, upload {out_bytes / up:.1f} s, convert {convert_s:.1f} s) "
+                f"+ one shard's fill {fill:.1f} s = {floor + fill:.1f} s; one step after another ({base}): {before:.1f} s",
             )
         )
     return rows

@@ -159,6 +159,8 @@ class HubServer:
         self.throttle: float | None = None  # bytes per second per download
         self.link: float | None = None  # bytes per second of every answer's body together (one link)
         self._link_free = 0.0
+        self.uplink: float | None = None  # bytes per second of every request's body together (uploads)
+        self._up_free = 0.0
         self._down_until = 0.0
         self.dropped = 0  # connections dropped by an outage
         self.corrupt: set[str] = set()  # paths served with one byte flipped (their listing unchanged)
@@ -450,6 +452,24 @@ class HubServer:
         finally:
             self._served(m["file"], rng, sent)
 
+    def _read_paced(self, h: BaseHTTPRequestHandler, n: int) -> bytes:
+        """A request body, taken no faster than the uplink carries it (``uplink`` bytes/s)."""
+        if not self.uplink:
+            return h.rfile.read(n)
+        parts, left = [], n
+        while left:
+            chunk = h.rfile.read(min(left, 65536))
+            if not chunk:
+                break
+            with self.lock:
+                now = time.monotonic()
+                start = max(now, self._up_free)
+                self._up_free = start + len(chunk) / self.uplink
+            time.sleep(max(0.0, self._up_free - now))
+            parts.append(chunk)
+            left -= len(chunk)
+        return b"".join(parts)
+
     def _pace(self, n: int) -> None:
         """Hold a chunk until the one link (``link`` bytes/s, shared by every answer) can carry it."""
         if not self.link:
@@ -537,13 +557,13 @@ class HubServer:
         if h.headers.get("Transfer-Encoding", "").lower() == "chunked":
             parts = []
             while (size := int(h.rfile.readline().split(b";")[0].strip() or b"0", 16)) > 0:
-                parts.append(h.rfile.read(size))
+                parts.append(self._read_paced(h, size))
                 h.rfile.readline()
             h.rfile.readline()
             body = b"".join(parts)
         else:
             length = int(h.headers.get("Content-Length", "0") or 0)
-            body = h.rfile.read(length) if length else b""
+            body = self._read_paced(h, length) if length else b""
         path = urllib.parse.unquote(h.path.split("?")[0])
         with self.lock:
             self.requests.append((method, h.path, ""))

@@ -99,9 +99,11 @@ def run_task(
             folder.import_plan(plan_state)
         plan = task_plan(task.model, out_dir, task.plan_digest)
         source = open_source(spec)
-        if next_number is not None:
-            ahead = TaskReport(next_number, report.emit, report.stop)
-            source.prefetch(plan.file(next_number).source_file, ahead)
+
+        def acquired() -> None:  # this shard is here: the next one downloads while it converts
+            if next_number is not None:
+                ahead = TaskReport(next_number, report.emit, report.stop)
+                source.prefetch(plan.file(next_number).source_file, ahead)
 
         def before_commit() -> None:
             report.check(now=True)
@@ -113,7 +115,7 @@ def run_task(
         try:
             push = task.push
             result = convert_file(
-                plan, number, source, out_dir, task.force, report, before_commit, push is not None
+                plan, number, source, out_dir, task.force, report, before_commit, push is not None, acquired
             )
             if push is None:
                 return result

@@ -157,6 +157,7 @@ def convert_file(
     report: TaskReport = NO_REPORT,
     before_commit: Callable[[], None] | None = None,
     file_sha256: bool = False,
+    acquired: Callable[[], None] | None = None,
 ) -> FileResult:
     """Write output file ``number`` (1-based) unless a complete, matching one is already there.
     ``before_commit`` runs before the finished file is renamed into place and before its record is
@@ -170,6 +171,8 @@ def convert_file(
     kvs = file_kvs(plan, number, folder)
     path = folder.output(pf.filename)
     source.acquire(pf.source_file, report)
+    if acquired is not None:  # (a runner starts the next shard's download here, not before)
+        acquired()
     try:
         entries = shard_entries(plan, number, source)
         reader = Reader(source, entries, report)
