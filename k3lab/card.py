@@ -20,7 +20,8 @@ from typing import Any
 from k3lab import __version__
 from k3lab.errors import K3LabError
 from k3lab.pipeline.model import Model
-from k3lab.pipeline.publishing.publish import COMMIT_EVERY, Publication, PushTarget
+from k3lab.pipeline.publishing.publish import COMMIT_EVERY, Publication
+from k3lab.pipeline.publishing.upload import PushTarget
 from k3lab.pipeline.writing.record import MANIFEST_NAME, Record
 
 CARD_NAME, TENSOR_MAP_NAME = "README.md", "TENSOR_MAP.md"

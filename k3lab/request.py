@@ -144,7 +144,7 @@ class Request:
         from huggingface_hub import constants, get_token
 
         from k3lab.card import publication
-        from k3lab.pipeline.publishing.publish import PushTarget
+        from k3lab.pipeline.publishing.upload import PushTarget
         from k3lab.pipeline.sources.retry import RETRY_BUDGET
 
         budget = RETRY_BUDGET if self.retry_budget is None else self.retry_budget

@@ -461,24 +461,28 @@ class HubServer:
             chunk = h.rfile.read(min(left, 65536))
             if not chunk:
                 break
-            with self.lock:
-                now = time.monotonic()
-                start = max(now, self._up_free)
-                self._up_free = start + len(chunk) / self.uplink
-            time.sleep(max(0.0, self._up_free - now))
+            self._take("_up_free", len(chunk), self.uplink)
             parts.append(chunk)
             left -= len(chunk)
         return b"".join(parts)
 
     def _pace(self, n: int) -> None:
         """Hold a chunk until the one link (``link`` bytes/s, shared by every answer) can carry it."""
-        if not self.link:
-            return
+        if self.link:
+            self._take("_link_free", n, self.link)
+
+    BURST = 0.05  # seconds of a link's capacity that a late chunk may make up
+
+    def _take(self, free: str, n: int, rate: float) -> None:
+        """Wait until a link (its next free moment in attribute ``free``) has carried ``n`` bytes. A
+        chunk that comes a little late (this server's own overhead, a sleep's overshoot) uses the
+        time the link sat idle, up to ``BURST``: the link carries ``rate`` bytes/s, not less."""
         with self.lock:
             now = time.monotonic()
-            start = max(now, self._link_free)
-            self._link_free = start + n / self.link
-        time.sleep(max(0.0, self._link_free - now))
+            start = max(now - self.BURST, getattr(self, free))
+            setattr(self, free, start + n / rate)
+            until = start + n / rate
+        time.sleep(max(0.0, until - now))
 
     def add_repo(self, repo: str, root: Path, large: int | None = 1 << 20) -> str:
         """Serve a folder (a GGUF set) as another repo; returns its commit."""

@@ -337,10 +337,10 @@ def test_a_published_file_is_read_once_after_it_is_written(
     from huggingface_hub import constants
 
     from k3lab import request
-    from k3lab.pipeline.publishing import publish
+    from k3lab.pipeline.publishing import upload as uploading
 
     read: dict[str, int] = {}
-    real = publish._Reading.readinto
+    real = uploading._Reading.readinto
 
     def counted(self, buffer):  # type: ignore[no-untyped-def]
         n = real(self, buffer)
@@ -350,7 +350,7 @@ def test_a_published_file_is_read_once_after_it_is_written(
     def no_hashing(fileobj):  # type: ignore[no-untyped-def]
         raise AssertionError(f"{getattr(fileobj, 'name', fileobj)} read to be hashed")
 
-    monkeypatch.setattr(publish._Reading, "readinto", counted)
+    monkeypatch.setattr(uploading._Reading, "readinto", counted)
     monkeypatch.setattr(huggingface_hub.lfs, "sha_fileobj", no_hashing)
     with HubServer(tiny_src, token=TOKEN) as hub:
         for k, v in _env(hub, tmp_path).items():

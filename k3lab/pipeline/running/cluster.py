@@ -93,7 +93,8 @@ def run_on_dask(
                 except (Cancelled, CancelledError):
                     continue  # stopped with its run, or cancelled after a failure: the rerun does it
                 except Exception as e:  # KilledWorker and the like: the machine's, not the input's
-                    failures[k] = MachineError(f"on the cluster: {type(e).__name__}: {e}".strip())
+                    said = " ".join(str(e).split())  # (one line: Dask's messages run over several)
+                    failures[k] = MachineError(f"on the cluster: {type(e).__name__}: {said}".strip())
     except BaseException:  # Ctrl-C, SIGTERM: every task stops, and the client waits until they have
         stop.set()
         client.cancel(list(futures), force=True)

@@ -21,7 +21,8 @@ from k3lab.pipeline.model import Model
 from k3lab.pipeline.planning.plan import Plan
 from k3lab.pipeline.planning.planner import make_plan, plan_options, still_current
 from k3lab.pipeline.progress import RunProgress
-from k3lab.pipeline.publishing.publish import Committer, Publication, open_committer, published, upload
+from k3lab.pipeline.publishing.publish import Committer, Publication, open_committer, published
+from k3lab.pipeline.publishing.upload import upload
 from k3lab.pipeline.running.processes import run_here, run_pool
 from k3lab.pipeline.running.task import Task, run_task
 from k3lab.pipeline.sources import open_source

@@ -10,11 +10,13 @@ module also holds what a worker process needs to be stopped cleanly (SIGTERM, it
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +24,7 @@ from k3lab.errors import K3LabError, MachineError
 from k3lab.pipeline.model import Model
 from k3lab.pipeline.planning.plan import Plan
 from k3lab.pipeline.progress import Stopped, TaskReport
-from k3lab.pipeline.publishing.publish import PushTarget, upload
+from k3lab.pipeline.publishing.upload import PushTarget, upload
 from k3lab.pipeline.running.events import worker_channel
 from k3lab.pipeline.sources import open_source
 from k3lab.pipeline.sources.base import SourceSpec
@@ -125,8 +127,11 @@ def run_task(
             if task.channel:  # on Dask: the worker's thread goes to its next shard while this one uploads
                 from distributed import secede
 
-                secede()
-            elif uploads is not None:  # this process: the upload overlaps the next conversion
+                with _upload_slot(report):
+                    secede()
+                    publish()
+                return result
+            if uploads is not None:  # this process: the upload overlaps the next conversion
                 result.pending = uploads.submit(publish)
                 return result
             publish()
@@ -152,6 +157,32 @@ def _publish_file(
     result.record = record
     if not push.keep_local:
         folder.remove_output(filename)
+
+
+_upload_slots: threading.Semaphore | None = None
+
+
+@contextlib.contextmanager
+def _upload_slot(report: TaskReport) -> Iterator[None]:
+    """On a Dask worker: one upload in flight per worker thread. A task whose file is written waits
+    here, still holding its thread, while the one before uploads; so a worker whose uploads are
+    slower than its downloads keeps at most two output files per thread on disk (the budget), and
+    its next download starts only once an upload ends."""
+    global _upload_slots
+    from distributed import get_worker
+
+    with _lock:
+        if _upload_slots is None:
+            _upload_slots = threading.Semaphore(max(1, get_worker().state.nthreads))
+    while not _upload_slots.acquire(timeout=0.5):
+        report.check(now=True)  # (the run stopped while this file waited)
+    try:
+        yield
+    finally:
+        _upload_slots.release()
+
+
+_lock = threading.Lock()
 
 
 def gives_up(e: K3LabError) -> bool:

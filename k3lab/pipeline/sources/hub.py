@@ -31,33 +31,26 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import struct
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from k3lab.errors import K3LabError
 from k3lab.formats.files import (
-    parse_json,
     partial_path,
-    read_bounded,
-    read_chunks,
     remove_regular,
-    write_atomically,
 )
-from k3lab.formats.hashing import git_blob_hash
 from k3lab.formats.safetensors import MAX_HEADER, NUMPY_DTYPE, TensorEntry
 from k3lab.pipeline.progress import NO_REPORT, Cancelled, TaskReport
 from k3lab.pipeline.sources import http
 from k3lab.pipeline.sources.base import META_LIMIT, Source, SourceError, SourceSpec, _row_range, _row_shape
 from k3lab.pipeline.sources.ranges import RangeCache
+from k3lab.pipeline.sources.remote_files import FETCHED, RemoteFile, download, read_fetched, write_fetched
 from k3lab.pipeline.sources.retry import (
     RETRY_BUDGET,
     HubError,
@@ -72,37 +65,6 @@ __all__ = ["HubError", "HubSource", "HubUnreachable", "RETRY_BUDGET", "hub_spec"
 WARM_THREADS = 8  # ranged reads in flight at once when a view asks for many tensors
 WINDOW = 16 << 20  # a ranged read of a tensor reads this much of it at once (bounded memory)
 PREFETCH_AHEAD = 1  # shards downloaded ahead of the one converting: at most two on disk per process
-FETCHED = ".k3lab-fetched.json"  # in meta: the metadata files k3lab fetched, and their hashes
-
-
-@dataclass(frozen=True)
-class RemoteFile:
-    """A file of the pinned commit, as the Hub lists it."""
-
-    name: str
-    size: int
-    sha256: str | None  # the LFS oid (every safetensors shard has one)
-    blob_id: str | None  # the git blob id (small files kept in git)
-
-    @property
-    def oid(self) -> str:
-        return self.sha256 or f"git-{self.blob_id}"
-
-    def local_oid(self, path: Path, limit: int | None = None) -> str | None:
-        """The file at ``path`` hashed the way the Hub identifies this file (SHA-256, or git blob id),
-        in ``oid``'s form; None when it is not a regular file of at most ``limit`` bytes."""
-        try:
-            size = os.lstat(path).st_size
-            h = hashlib.sha256() if self.sha256 else git_blob_hash(size)
-            for chunk in read_chunks(path, self.size if limit is None else limit, "file", follow=False):
-                h.update(chunk)
-        except (OSError, K3LabError):
-            return None
-        return h.hexdigest() if self.sha256 else f"git-{h.hexdigest()}"
-
-    def matches(self, path: Path) -> bool:
-        """Whether the file at ``path`` has exactly these bytes (size, then SHA-256 or git blob id)."""
-        return self.local_oid(path) == self.oid
 
 
 # --- the source ---------------------------------------------------------------------------------------
@@ -215,7 +177,7 @@ class HubSource(Source):
         self.resolve()
         self.meta_dir.mkdir(parents=True, exist_ok=True)
         fetched_path = self.meta_dir / FETCHED
-        fetched = _read_fetched(fetched_path)
+        fetched = read_fetched(fetched_path)
         for name in self.meta_files + self.optional_meta:
             remote = self._remote.get(name) if self._remote else None
             local = self.meta_dir / name
@@ -243,7 +205,7 @@ class HubSource(Source):
             finally:
                 remove_regular(partial)
             fetched[name] = remote.oid
-            _write_fetched(fetched_path, fetched)
+            write_fetched(fetched_path, fetched)
 
     # --- shards ---
     def shard_fingerprint(self, files: list[str]) -> dict[str, dict[str, Any]]:
@@ -322,30 +284,11 @@ class HubSource(Source):
             raise
 
     def _download(self, remote: RemoteFile, path: Path, report: TaskReport) -> str:
-        """The rest of ``remote``'s bytes into ``path``, retried within the budget (each attempt
-        continues from the last byte that arrived); returns their hash in ``RemoteFile.oid``'s form."""
+        """The rest of ``remote``'s bytes into ``path`` (see ``remote_files.download``)."""
         url = http.file_url(self.repo, remote.name, self.commit or self.revision, self.endpoint)
-        where = self.where(remote.name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.is_symlink() or (path.exists() and not path.is_file()):
-            raise HubError(f"{path}: is not a file k3lab downloaded; remove it")
-
-        def one() -> Any:
-            if self._closing.is_set():
-                raise Cancelled(f"{remote.name}: the source was closed")
-            report.check()
-            return http.download(
-                url,
-                path,
-                remote.size,
-                self.token,
-                where,
-                _Closing(report, self._closing),
-                lambda: http.file_hash(remote.sha256, remote.size),
-            )
-
-        h = with_retries(where, one, self.budget, report)
-        return h.hexdigest() if remote.sha256 else f"git-{h.hexdigest()}"
+        return download(
+            url, remote, path, self.token, self.where(remote.name), report, self._closing, self.budget
+        )
 
     def release(self, file: str) -> None:
         """Done with ``file``: close it and delete its download (``--keep-source``: keep it)."""
@@ -454,36 +397,3 @@ class HubSource(Source):
             raise SourceError(f"{self.where(file)}: header length {n} does not fit the file ({size} bytes)")
         head = bytes(self.cached(file, 0, 8 + n))  # (exactly the header: its length, then its JSON)
         return head[8 : 8 + n], size
-
-
-class _Closing(TaskReport):
-    """A task's report that also stops the download when its source closes."""
-
-    def __init__(self, report: TaskReport, closing: threading.Event):
-        super().__init__(report.number, None, None)
-        self.report, self.closing = report, closing
-
-    def downloaded(self, n: int) -> None:
-        self.report.downloaded(n)
-        if self.closing.is_set():
-            raise Cancelled("the source was closed")
-
-
-# --- what k3lab fetched into meta ------------------------------------------------------------------
-
-
-def _read_fetched(path: Path) -> dict[str, str]:
-    try:
-        data = parse_json(read_bounded(path, 1 << 20, "k3lab's list of fetched files"), str(path))
-    except (OSError, K3LabError):
-        return {}
-    return (
-        {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
-        if isinstance(data, dict)
-        else {}
-    )
-
-
-def _write_fetched(path: Path, fetched: dict[str, str]) -> None:
-    data = json.dumps(fetched, indent=1, sort_keys=True).encode()
-    write_atomically(path, lambda fh: fh.write(data))

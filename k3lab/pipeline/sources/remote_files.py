@@ -1,0 +1,117 @@
+"""What the Hub lists of a pinned commit (``RemoteFile``), how one of its files is downloaded
+(resuming, hashed as it arrives, within the retry budget), and the list of metadata files k3lab
+fetched into ``meta`` (so that it replaces only its own)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from k3lab.errors import K3LabError
+from k3lab.formats.files import parse_json, read_bounded, read_chunks, write_atomically
+from k3lab.formats.hashing import git_blob_hash
+from k3lab.pipeline.progress import Cancelled, TaskReport
+from k3lab.pipeline.sources import http
+from k3lab.pipeline.sources.retry import HubError, with_retries
+
+FETCHED = ".k3lab-fetched.json"  # in meta: the metadata files k3lab fetched, and their hashes
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """A file of the pinned commit, as the Hub lists it."""
+
+    name: str
+    size: int
+    sha256: str | None  # the LFS oid (every safetensors shard has one)
+    blob_id: str | None  # the git blob id (small files kept in git)
+
+    @property
+    def oid(self) -> str:
+        return self.sha256 or f"git-{self.blob_id}"
+
+    def local_oid(self, path: Path, limit: int | None = None) -> str | None:
+        """The file at ``path`` hashed the way the Hub identifies this file (SHA-256, or git blob id),
+        in ``oid``'s form; None when it is not a regular file of at most ``limit`` bytes."""
+        try:
+            size = os.lstat(path).st_size
+            h = hashlib.sha256() if self.sha256 else git_blob_hash(size)
+            for chunk in read_chunks(path, self.size if limit is None else limit, "file", follow=False):
+                h.update(chunk)
+        except (OSError, K3LabError):
+            return None
+        return h.hexdigest() if self.sha256 else f"git-{h.hexdigest()}"
+
+    def matches(self, path: Path) -> bool:
+        """Whether the file at ``path`` has exactly these bytes (size, then SHA-256 or git blob id)."""
+        return self.local_oid(path) == self.oid
+
+
+def download(
+    url: str,
+    remote: RemoteFile,
+    path: Path,
+    token: str | None,
+    where: str,
+    report: TaskReport,
+    closing: threading.Event,
+    budget: float,
+) -> str:
+    """The rest of ``remote``'s bytes into ``path``, retried within ``budget`` (each attempt
+    continues from the last byte that arrived); returns their hash in ``RemoteFile.oid``'s form.
+    ``closing`` set (the source closes): the download stops at its next piece."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise HubError(f"{path}: is not a file k3lab downloaded; remove it")
+
+    def one() -> Any:
+        if closing.is_set():
+            raise Cancelled(f"{remote.name}: the source was closed")
+        report.check()
+        return http.download(
+            url,
+            path,
+            remote.size,
+            token,
+            where,
+            _Closing(report, closing),
+            lambda: http.file_hash(remote.sha256, remote.size),
+        )
+
+    h = with_retries(where, one, budget, report)
+    return h.hexdigest() if remote.sha256 else f"git-{h.hexdigest()}"
+
+
+class _Closing(TaskReport):
+    """A task's report that also stops the download when its source closes."""
+
+    def __init__(self, report: TaskReport, closing: threading.Event):
+        super().__init__(report.number, None, None)
+        self.report, self.closing = report, closing
+
+    def downloaded(self, n: int) -> None:
+        self.report.downloaded(n)
+        if self.closing.is_set():
+            raise Cancelled("the source was closed")
+
+
+def read_fetched(path: Path) -> dict[str, str]:
+    try:
+        data = parse_json(read_bounded(path, 1 << 20, "k3lab's list of fetched files"), str(path))
+    except (OSError, K3LabError):
+        return {}
+    return (
+        {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
+        if isinstance(data, dict)
+        else {}
+    )
+
+
+def write_fetched(path: Path, fetched: dict[str, str]) -> None:
+    data = json.dumps(fetched, indent=1, sort_keys=True).encode()
+    write_atomically(path, lambda fh: fh.write(data))
