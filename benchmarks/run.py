@@ -40,8 +40,10 @@ straightforward implementation), because these machines are shared and noisy. Ro
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -258,7 +260,6 @@ def _run_timed(cmd: list[str]) -> tuple[float, int, str]:
 
 @row
 def bench_fullscale() -> list[tuple[str, str, str]]:
-    import shutil
     import subprocess
     import tempfile
     from pathlib import Path
@@ -848,31 +849,10 @@ def bench_dense() -> list[tuple[str, str, str]]:
 def _six_layers(out: Path) -> Path:
     """A checkpoint of one dense and six MoE layers at the real expert dims, 16 experts each."""
     from k3lab.synth import PRESETS, synthesize
-    from k3lab.synth.presets import _small
+    from k3lab.synth.presets import layer_config
 
     if not (out / "config.json").exists():
-        PRESETS["six-layers"] = lambda: _small(
-            7,
-            vocab=1792,
-            hidden=1024,
-            heads=8,
-            ff=2048,
-            q_lora=256,
-            kv_lora=128,
-            nope=64,
-            rope=32,
-            v=64,
-            kda_head=64,
-            experts=16,
-            topk=8,
-            shared=1,
-            moe_ff=3072,
-            latent=3584,
-            res_block=4,
-            vt_layers=1,
-            vt_hidden=64,
-            full_every=2,
-        )
+        PRESETS["six-layers"] = functools.partial(layer_config, 7)
         synthesize("six-layers", out)
     return out
 
@@ -930,7 +910,8 @@ def bench_cluster() -> list[tuple[str, str, str]]:
                     env = {**hub.client_env(tmp / f"client-{i}"), "PYTHONPATH": str(tree)}
                     args = ["--repo", "moonshotai/Kimi-K3", "--meta", str(tmp / f"meta-{i}")]
                     args += ["--out-dir", str(tmp / f"out-{i}"), "--scratch", str(tmp / f"scratch-{i}")]
-                    subprocess.run([*k3, "plan", *args], env=env, check=True, capture_output=True)
+                    # (run from the tree: `python -m` puts the working folder first on the path)
+                    subprocess.run([*k3, "plan", *args], env=env, check=True, capture_output=True, cwd=tree)
                     hub.link, hub.uplink = down * workers, up * workers
                     t = time.perf_counter()
                     r = subprocess.run(
@@ -948,6 +929,7 @@ def bench_cluster() -> list[tuple[str, str, str]]:
                         env=env,
                         capture_output=True,
                         text=True,
+                        cwd=tree,
                     )
                     walls[label, workers] = time.perf_counter() - t
                     if r.returncode != 0:
@@ -989,41 +971,46 @@ def bench_startup() -> list[tuple[str, str, str]]:
             check=True,
         )
         try:
-            src, out = tmp_path / "src", tmp_path / "out"
+            src = tmp_path / "src"
             subprocess.run(
                 [sys.executable, "-m", "k3lab.cli", "synth", "--out", str(src)],
                 check=True,
                 capture_output=True,
             )
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "k3lab.cli",
-                    "convert",
-                    "--meta",
-                    str(src),
-                    "--out-dir",
-                    str(out),
-                    "--quiet",
-                ],
-                check=True,
-                capture_output=True,
-            )
+
+            def k3lab(tree: Path, *args: str) -> list[str]:
+                """The command (run from ``tree``: ``python -m`` puts the working folder first on the
+                path, before PYTHONPATH's tree)."""
+                return [sys.executable, "-m", "k3lab.cli", *args]
 
             def timed(tree: Path, *args: str) -> float:
                 env = {**os.environ, "PYTHONPATH": str(tree)}
-                cmd = [sys.executable, "-m", "k3lab.cli", *args]
-                return best_of(lambda: subprocess.run(cmd, env=env, capture_output=True, check=False), 7)
+                cmd = [a.replace("OUT", str(outs[tree])) for a in k3lab(tree, *args)]
+                return best_of(
+                    lambda: subprocess.run(cmd, env=env, capture_output=True, check=True, cwd=tree), 7
+                )
 
+            outs = {root: tmp_path / "out-now", tmp_path / "base": tmp_path / "out-base"}
+            for tree, out in outs.items():  # each verifies a set its own code made
+                subprocess.run(
+                    k3lab(tree, "convert", "--meta", str(src), "--out-dir", str(out), "--quiet"),
+                    env={**os.environ, "PYTHONPATH": str(tree)},
+                    check=True,
+                    capture_output=True,
+                    cwd=tree,
+                )
             rows = []
             for label, args in (
                 ("k3lab --help", ("--help",)),
-                ("k3lab verify (tiny set)", ("verify", str(out), "--quiet")),
+                ("k3lab verify (tiny set)", ("verify", "OUT", "--quiet")),
             ):
                 now, before = timed(root, *args), timed(tmp_path / "base", *args)
                 rows.append(
-                    (f"startup: {label}", f"{now:.2f} s", f"{before:.2f} s at {base} ({before / now:.2f}x)")
+                    (
+                        f"startup: {label}",
+                        f"{now:.2f} s",
+                        f"{before:.2f} s at {base} ({before / now:.2f}x)",
+                    )
                 )
             return rows
         finally:

@@ -267,10 +267,11 @@ def testmodel_config() -> dict[str, Any]:
     return cfg
 
 
-def layer_config() -> dict[str, Any]:
-    """One MoE layer at the real expert dims (latent 3584, expert ff 3072), for benchmarks."""
+def layer_config(layers: int = 2) -> dict[str, Any]:
+    """MoE layers at the real expert dims (latent 3584, expert ff 3072), after one dense layer
+    (``layers`` in all), for benchmarks."""
     cfg = _small(
-        2,
+        layers,
         vocab=1792,
         hidden=1024,
         heads=8,
