@@ -160,6 +160,7 @@ class HubServer:
         self.link: float | None = None  # bytes per second of every answer's body together (one link)
         self._link_free = 0.0
         self.uplink: float | None = None  # bytes per second of every request's body together (uploads)
+        self.check_cards = True  # a card's metadata is validated as the Hub does (off: an older k3lab's)
         self._up_free = 0.0
         self._down_until = 0.0
         self.dropped = 0  # connections dropped by an outage
@@ -593,7 +594,7 @@ class HubServer:
                 self.uploads.append(m["oid"])
             return self._json(h, {})
         if path == "/api/validate-yaml":
-            errors = validate_card(json.loads(body).get("content", ""))
+            errors = validate_card(json.loads(body).get("content", "")) if self.check_cards else []
             if errors:
                 return self._error(h, 400, "", "; ".join(errors))
             return self._json(h, {"warnings": [], "errors": []})
