@@ -87,6 +87,7 @@ class FileBlob:
     def __init__(self, path: Path):
         self.path, self.size = Path(path), Path(path).stat().st_size
         self._sha: str | None = None
+        self._git: str | None = None
 
     def __len__(self) -> int:
         return self.size
@@ -117,13 +118,16 @@ class FileBlob:
         return self._sha
 
     def git_id(self) -> str:
-        if self.size > self.HASHED:
-            return hashlib.sha1(f"unhashed blob {self.size}:{self.sha256()}".encode()).hexdigest()
-        h = hashlib.sha1(b"blob %d\0" % self.size)
-        with open(self.path, "rb") as fh:
-            while chunk := fh.read(1 << 24):
-                h.update(chunk)
-        return h.hexdigest()
+        if self._git is None:  # (once: every listing of a repo asks for it)
+            if self.size > self.HASHED:
+                self._git = hashlib.sha1(f"unhashed blob {self.size}:{self.sha256()}".encode()).hexdigest()
+            else:
+                h = hashlib.sha1(b"blob %d\0" % self.size)
+                with open(self.path, "rb") as fh:
+                    while chunk := fh.read(1 << 24):
+                        h.update(chunk)
+                self._git = h.hexdigest()
+        return self._git
 
 
 def load_files(root: Path, large: int | None = None) -> dict[str, bytes]:

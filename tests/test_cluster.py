@@ -331,3 +331,32 @@ def test_one_byte_bar_moves_while_the_cluster_works(cluster: str, tiny_src: Path
     assert any("down " in f and "/s" in f for f in frames)
     assert not any(".safetensors:" in f for f in frames)  # no huggingface_hub bar of its own
     assert not any("Trying to resume" in f or "Error while downloading" in f for f in frames)
+
+
+def test_a_worker_is_a_pipeline_within_its_disk_budget(
+    tiny_src: Path, tiny_out: Path, tmp_path: Path
+) -> None:
+    """One single-threaded worker publishing with an uplink far slower than its downlink: its next
+    shards download and convert while files upload (the stages overlap), yet its own folders never
+    hold more than two source shards and two output files (the budget the README gives per thread),
+    and the published set is byte-identical to a local conversion."""
+    with HubServer(tiny_src) as hub, dask_cluster(tmp_path, workers=1) as (address, dirs):
+        hub.uplink = 150_000  # bytes/s: each file's upload takes a few seconds, downloads none
+        run = _start(hub, tmp_path, "--scheduler", address, "--push-to", "k3lab-test/pipe", "--text-only")
+        most = {"sources": 0, "outputs": 0, "both": 0}
+        while run.poll() is None:
+            k3 = list(dirs[0].glob("**/k3lab"))  # (<local directory>/dask-scratch-space/worker-*/k3lab)
+            outputs = len(
+                [p for d in k3 for p in d.glob("out-*/*") if p.name.endswith((".gguf", ".partial"))]
+            )
+            sources = len([p for d in k3 for p in d.glob("scratch/k3lab-dl-*/*") if ".safetensors" in p.name])
+            most["sources"], most["outputs"] = max(most["sources"], sources), max(most["outputs"], outputs)
+            most["both"] = max(most["both"], min(sources, 1) + min(outputs, 2))
+            time.sleep(0.01)
+        out, err = run.communicate()
+        assert run.returncode == 0, err[-3000:]
+        pushed = {p: d for p, d in hub.files_of("k3lab-test/pipe", "main").items() if p.endswith(".gguf")}
+    local = {f.name: f.read_bytes() for f in tiny_out.glob("Kimi-K3-*-of-*.gguf")}
+    assert pushed == local
+    assert most["sources"] <= 2 and most["outputs"] <= 2, most
+    assert most["both"] == 3, most  # a shard was here while one file uploaded and the next waited

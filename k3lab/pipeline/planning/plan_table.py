@@ -31,7 +31,7 @@ def describe_plan(plan: Plan, jobs: int = 1, max_rows: int = 12) -> str:
         f"from {human_bytes(src_total)} of text source shards",
         f"disk: final {human_bytes(total)} plus headers; working space none beyond the files themselves "
         f"(each is written as .partial and renamed); streaming from the Hub adds up to {jobs} x 2 source shards "
-        f"({human_bytes(2 * jobs * largest)}); publishing (--push-to) keeps at most {jobs} x 2 output files "
+        f"({human_bytes(2 * jobs * largest)}; on Dask, 2 per worker thread); publishing (--push-to) keeps at most {jobs} x 2 output files "
         f"({human_bytes(2 * jobs * max(f.nbytes for f in plan.files))}: one written, one uploading)",
         f"memory: at most {human_bytes(peak)} per converting process (peak RSS, file-backed pages included), "
         f"{human_bytes(jobs * peak)} for --jobs {jobs}",

@@ -16,7 +16,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +25,7 @@ from k3lab.pipeline.planning.plan import Plan
 from k3lab.pipeline.progress import Stopped, TaskReport
 from k3lab.pipeline.publishing.upload import PushTarget, upload
 from k3lab.pipeline.running.events import worker_channel
+from k3lab.pipeline.running.stages import held, leave_pool, worker_stages
 from k3lab.pipeline.sources import open_source
 from k3lab.pipeline.sources.base import SourceSpec
 from k3lab.pipeline.writing.convert import FileResult, convert_file, worker_name
@@ -90,7 +90,8 @@ def run_task(
     """Convert output file ``number`` (and, with ``push``, publish it): the task every runner runs.
     ``plan_state``: the saved plan's files, for a worker writing a folder of its own. ``uploads``: an
     executor the upload goes to, so that it overlaps the next conversion (``result.pending`` then
-    says when it is done); on Dask the task leaves the worker's thread pool while it uploads."""
+    says when it is done); on Dask the task leaves the worker's thread pool once its shard is here,
+    within the worker's bounds (``stages``)."""
     report = _task_report(task, number)
     report.started(worker_name())
     try:
@@ -102,8 +103,16 @@ def run_task(
         plan = task_plan(task.model, out_dir, task.plan_digest)
         source = open_source(spec)
 
+        stages = worker_stages() if task.channel else None  # on Dask: the worker as a pipeline
+        until_uploaded, until_converted = contextlib.ExitStack(), contextlib.ExitStack()
+
         def acquired() -> None:  # this shard is here: the next one downloads while it converts
-            if next_number is not None:
+            if stages is not None:
+                leave_pool()
+                if task.push is not None:
+                    until_uploaded.enter_context(held(stages.outputs, report))
+                until_converted.enter_context(held(stages.converting, report))
+            elif next_number is not None:
                 ahead = TaskReport(next_number, report.emit, report.stop)
                 source.prefetch(plan.file(next_number).source_file, ahead)
 
@@ -115,27 +124,36 @@ def run_task(
         global _converting
         _converting += 1
         try:
-            push = task.push
-            result = convert_file(
-                plan, number, source, out_dir, task.force, report, before_commit, push is not None, acquired
-            )
-            if push is None:
+            with until_uploaded:
+                with until_converted:
+                    if stages is not None:  # (taken while this task still holds its worker thread)
+                        until_converted.enter_context(held(stages.sources, report))
+                    push = task.push
+                    result = convert_file(
+                        plan,
+                        number,
+                        source,
+                        out_dir,
+                        task.force,
+                        report,
+                        before_commit=before_commit,
+                        file_sha256=push is not None,
+                        acquired=acquired,
+                    )
+                if push is None:
+                    return result
+                publish = functools.partial(
+                    _publish_file, push, folder, plan.file(number).filename, number, report, result
+                )
+                if stages is not None:
+                    with held(stages.uploading, report):
+                        publish()
+                    return result
+                if uploads is not None:  # this process: the upload overlaps the next conversion
+                    result.pending = uploads.submit(publish)
+                    return result
+                publish()
                 return result
-            publish = functools.partial(
-                _publish_file, push, folder, plan.file(number).filename, number, report, result
-            )
-            if task.channel:  # on Dask: the worker's thread goes to its next shard while this one uploads
-                from distributed import secede
-
-                with _upload_slot(report):
-                    secede()
-                    publish()
-                return result
-            if uploads is not None:  # this process: the upload overlaps the next conversion
-                result.pending = uploads.submit(publish)
-                return result
-            publish()
-            return result
         finally:
             _converting -= 1
     finally:
@@ -157,32 +175,6 @@ def _publish_file(
     result.record = record
     if not push.keep_local:
         folder.remove_output(filename)
-
-
-_upload_slots: threading.Semaphore | None = None
-
-
-@contextlib.contextmanager
-def _upload_slot(report: TaskReport) -> Iterator[None]:
-    """On a Dask worker: one upload in flight per worker thread. A task whose file is written waits
-    here, still holding its thread, while the one before uploads; so a worker whose uploads are
-    slower than its downloads keeps at most two output files per thread on disk (the budget), and
-    its next download starts only once an upload ends."""
-    global _upload_slots
-    from distributed import get_worker
-
-    with _lock:
-        if _upload_slots is None:
-            _upload_slots = threading.Semaphore(max(1, get_worker().state.nthreads))
-    while not _upload_slots.acquire(timeout=0.5):
-        report.check(now=True)  # (the run stopped while this file waited)
-    try:
-        yield
-    finally:
-        _upload_slots.release()
-
-
-_lock = threading.Lock()
 
 
 def gives_up(e: K3LabError) -> bool:

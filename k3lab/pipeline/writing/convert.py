@@ -155,13 +155,16 @@ def convert_file(
     out_dir: str | Path,
     force: bool = False,
     report: TaskReport = NO_REPORT,
+    *,
     before_commit: Callable[[], None] | None = None,
     file_sha256: bool = False,
     acquired: Callable[[], None] | None = None,
 ) -> FileResult:
     """Write output file ``number`` (1-based) unless a complete, matching one is already there.
-    ``before_commit`` runs before the finished file is renamed into place and before its record is
-    written (a task checks there that its run still holds the folder)."""
+    The runner's hooks: ``acquired`` runs once the source shard is here (a runner starts the next
+    shard's download then); ``before_commit`` before the finished file is renamed into place and its
+    record written (a task checks there that its run still holds the folder); ``file_sha256``: hash
+    the whole file as it is written (an upload takes that hash instead of reading the file again)."""
     folder = OutputFolder(out_dir)
     pf = plan.file(number)
     t0 = time.perf_counter()
@@ -171,9 +174,9 @@ def convert_file(
     kvs = file_kvs(plan, number, folder)
     path = folder.output(pf.filename)
     source.acquire(pf.source_file, report)
-    if acquired is not None:  # (a runner starts the next shard's download here, not before)
-        acquired()
     try:
+        if acquired is not None:
+            acquired()
         entries = shard_entries(plan, number, source)
         reader = Reader(source, entries, report)
         reader.start(n for t in pf.tensors for n in t.sources)
