@@ -384,3 +384,44 @@ def test_a_download_cut_half_way_resumes_from_its_last_byte(tiny_src: Path, tmp_
         main(["convert", "--meta", str(tiny_src), "--out-dir", str(local), "--shards", "3", "--quiet"]) == 0
     )
     assert (tmp_path / "out" / name).read_bytes() == (local / name).read_bytes()
+
+
+def test_the_bar_fits_the_terminal(tiny_src: Path, tmp_path: Path) -> None:
+    """On a 72-column terminal (a pty), every bar the run draws (planning, then the run's, with the
+    bytes down beside it) fits in 72 columns; messages are whole lines of their own."""
+    import fcntl
+    import os
+    import pty
+    import re
+    import struct
+    import termios
+
+    main_fd, side_fd = pty.openpty()
+    fcntl.ioctl(side_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 72, 0, 0))
+    with HubServer(tiny_src) as hub:
+        hub.throttle = 2_000_000  # (slow enough for the bar to be drawn with its rates)
+        env = hub.client_env(tmp_path)
+        args = ["--repo", REPO, "--meta", str(tmp_path / "meta"), "--out-dir", str(tmp_path / "out")]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "k3lab.cli", "convert", *args],
+            env={**env, "TERM": "xterm"},
+            stdin=side_fd,
+            stdout=side_fd,
+            stderr=side_fd,
+        )
+        os.close(side_fd)
+        drawn = b""
+        while True:
+            try:
+                chunk = os.read(main_fd, 65536)
+            except OSError:  # (the pty closes when the command ends)
+                break
+            if not chunk:
+                break
+            drawn += chunk
+        assert proc.wait(timeout=120) == 0, drawn[-2000:]
+    os.close(main_fd)
+    text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", drawn.decode(errors="replace"))
+    bars = [line for line in re.split(r"[\r\n]", text) if re.match(r"(planning|\d+ files): ", line)]
+    assert any("down" in line for line in bars) and any(line.startswith("planning") for line in bars), bars
+    assert max(len(line) for line in bars) <= 72, [line for line in bars if len(line) > 72]

@@ -110,6 +110,7 @@ def verify(
         unit_divisor=1024,
         desc="verify",
         disable=True if quiet else None,
+        dynamic_ncols=True,
     )
     names: dict[str, str] = {}
     by_number = {r.number: r.file for r in texts}
@@ -262,6 +263,7 @@ def _rederive(
         unit_divisor=1024,
         desc="re-derive",
         disable=True if quiet else None,
+        dynamic_ncols=True,
     )
     try:
         for rec in records:

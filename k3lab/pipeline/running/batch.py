@@ -97,7 +97,9 @@ def dask_map(
     try:
         futures = [client.submit(fn, *args, pure=False) for args in calls]
         results = []
-        with tqdm(total=len(futures), desc=desc, unit="shard", disable=True if quiet else None) as bar:
+        with tqdm(
+            total=len(futures), desc=desc, unit="shard", disable=True if quiet else None, dynamic_ncols=True
+        ) as bar:
             for fut in as_completed(futures):
                 try:
                     results.append(fut.result())

@@ -94,7 +94,9 @@ def prepare(
         saved, source, plan_options(options.outtype, basename, options.chat_template)
     ):
         return saved, None
-    bar = tqdm(desc="planning", unit="shard", disable=True if say is None else None, leave=False)
+    bar = tqdm(
+        desc="planning", unit="shard", disable=True if say is None else None, leave=False, dynamic_ncols=True
+    )
 
     def planned(done: int, total: int) -> None:
         bar.total = total
@@ -261,6 +263,7 @@ def _convert_planned(
         unit_divisor=1024,
         desc=f"{len(todo)} files",
         disable=disable if todo else True,
+        dynamic_ncols=True,  # (cut to the terminal's width, as it is now)
     )
     progress = RunProgress(bar)
     late: list[BaseException] = []
