@@ -341,7 +341,7 @@ def test_a_worker_is_a_pipeline_within_its_disk_budget(
     hold more than two source shards and two output files (the budget the README gives per thread),
     and the published set is byte-identical to a local conversion."""
     with HubServer(tiny_src) as hub, dask_cluster(tmp_path, workers=1) as (address, dirs):
-        hub.uplink = 150_000  # bytes/s: each file's upload takes a few seconds, downloads none
+        hub.uplink = 400_000  # bytes/s: each file's upload takes about a second, downloads none
         run = _start(hub, tmp_path, "--scheduler", address, "--push-to", "k3lab-test/pipe", "--text-only")
         most = {"sources": 0, "outputs": 0, "both": 0}
         while run.poll() is None:
