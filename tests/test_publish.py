@@ -387,6 +387,7 @@ def _ride_out(hub: HubServer, tmp_path: Path, args: list[str], seconds: float) -
     return subprocess.CompletedProcess(run.args, run.returncode, out, err)
 
 
+@pytest.mark.slow  # (a minute of the suite; it keeps a minute-long outage of downloads on Dask)
 def test_uploads_ride_out_an_outage_longer_than_huggingface_hubs_retries(
     tiny_src: Path, tiny_out: Path, tmp_path: Path
 ) -> None:
