@@ -360,3 +360,29 @@ def test_a_worker_is_a_pipeline_within_its_disk_budget(
     assert pushed == local
     assert most["sources"] <= 2 and most["outputs"] <= 2, most
     assert most["both"] == 3, most  # a shard was here while one file uploaded and the next waited
+
+
+def test_ctrl_c_while_a_worker_publishes_stops_its_uploads(
+    tiny_src: Path, tiny_out: Path, tmp_path: Path
+) -> None:
+    """Ctrl-C on the client while a worker that shares nothing uploads, converts and waits for its
+    slots: exit 130, and afterwards nothing more reaches the Hub (no upload, no commit); running the
+    command again publishes the set, byte-identical."""
+    target = "k3lab-test/stopped"
+    with HubServer(tiny_src) as hub, dask_cluster(tmp_path, workers=1) as (address, _):
+        hub.uplink = 200_000
+        extra = ("--scheduler", address, "--push-to", target, "--text-only", "--quiet")
+        run = _start(hub, tmp_path, *extra)
+        while len(hub.uploads) < 2:
+            time.sleep(0.05)
+        run.send_signal(signal.SIGINT)
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 130, err
+        at_exit = (len(hub.uploads), hub.files_of(target, "main") if target in hub.repos else {})
+        time.sleep(4)  # a task that went on would upload or commit within this
+        assert (len(hub.uploads), hub.files_of(target, "main") if target in hub.repos else {}) == at_exit
+        hub.uplink = None
+        again = _convert(hub, tmp_path, *extra)
+        assert again.returncode == 0, again.stderr[-3000:]
+        pushed = {p: d for p, d in hub.files_of(target, "main").items() if p.endswith(".gguf")}
+    assert pushed == {f.name: f.read_bytes() for f in tiny_out.glob("Kimi-K3-*-of-*.gguf")}
