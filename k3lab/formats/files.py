@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import re
@@ -215,3 +216,21 @@ def remove_regular(path: Path) -> bool:
 
 def json_bytes(data: Any, indent: int | None = None) -> bytes:
     return (json.dumps(data, indent=indent, sort_keys=True) + "\n").encode("utf-8")
+
+
+SPAN_READ = 16 * 1024 * 1024  # bytes read at once when hashing a span of an open file
+
+
+def hash_span(fh: BinaryIO, nbytes: int, advance: Callable[[int], Any] | None = None) -> str:
+    """The SHA-256 of the next ``nbytes`` of ``fh`` (fewer where the file ends first: then it is
+    not the hash a full span would have), read in bounded pieces; ``advance(n)`` after each."""
+    h, left = hashlib.sha256(), nbytes
+    while left:
+        chunk = fh.read(min(SPAN_READ, left))
+        if not chunk:
+            break
+        h.update(chunk)
+        left -= len(chunk)
+        if advance is not None:
+            advance(len(chunk))
+    return h.hexdigest()

@@ -5,14 +5,13 @@ found once, with that type, shape and SHA-256. k3lab's own manifest carries this
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
 import gguf
 
+from k3lab.formats.files import hash_span
 from k3lab.pipeline.checking.report import Report
-from k3lab.pipeline.writing.proof import READ
 from k3lab.pipeline.writing.record import ManifestError
 
 
@@ -84,16 +83,10 @@ def verify_by_tensors(out_dir: Path, kit: dict[str, Any], choice: Any) -> Report
                 if t.name not in chosen:
                     continue
                 fh.seek(t.offset)
-                h, left = hashlib.sha256(), t.nbytes
-                while left:
-                    chunk = fh.read(min(READ, left))
-                    if not chunk:
-                        break
-                    h.update(chunk)
-                    left -= len(chunk)
+                digest = hash_span(fh, t.nbytes)
                 report.tensors += 1
                 report.bytes += t.nbytes
-                if h.hexdigest() != want["sha256"]:
+                if digest != want["sha256"]:
                     report.add(
                         "tensor",
                         path.name,

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from k3lab.formats.files import hash_span
 from k3lab.pipeline.writing.record import Record
 
-READ = 16 * 1024 * 1024
 GGUF_MAGIC = b"GGUF"
 
 
@@ -81,16 +81,7 @@ def check_bytes(
                 fh.seek(t.end)
                 pos = t.end
                 continue
-            h, left = hashlib.sha256(), t.nbytes
-            while left:
-                chunk = fh.read(min(READ, left))
-                if not chunk:
-                    break
-                h.update(chunk)
-                left -= len(chunk)
-                if advance is not None:
-                    advance(len(chunk))
-            if h.hexdigest() != t.sha256:
+            if hash_span(fh, t.nbytes, advance) != t.sha256:
                 bad.append(t.name)
             pos = t.end
     if bad and len(bad) == len(tensors) > 1:
