@@ -979,33 +979,23 @@ def bench_startup() -> list[tuple[str, str, str]]:
                 capture_output=True,
             )
 
-            def k3lab(tree: Path, *args: str) -> list[str]:
-                """The command (run from ``tree``: ``python -m`` puts the working folder first on the
-                path, before PYTHONPATH's tree)."""
-                return [sys.executable, "-m", "k3lab.cli", *args]
-
-            def timed(tree: Path, *args: str) -> float:
-                env = {**os.environ, "PYTHONPATH": str(tree)}
-                cmd = [a.replace("OUT", str(outs[tree])) for a in k3lab(tree, *args)]
-                return best_of(
-                    lambda: subprocess.run(cmd, env=env, capture_output=True, check=True, cwd=tree), 7
-                )
-
             outs = {root: tmp_path / "out-now", tmp_path / "base": tmp_path / "out-base"}
+
+            def k3lab(tree: Path, *args: str) -> None:
+                """That tree's command, run from the tree (``python -m`` puts the working folder
+                first on the path, before PYTHONPATH)."""
+                env = {**os.environ, "PYTHONPATH": str(tree)}
+                cmd = [sys.executable, "-m", "k3lab.cli", *args]
+                subprocess.run(cmd, env=env, cwd=tree, capture_output=True, check=True)
+
             for tree, out in outs.items():  # each verifies a set its own code made
-                subprocess.run(
-                    k3lab(tree, "convert", "--meta", str(src), "--out-dir", str(out), "--quiet"),
-                    env={**os.environ, "PYTHONPATH": str(tree)},
-                    check=True,
-                    capture_output=True,
-                    cwd=tree,
-                )
+                k3lab(tree, "convert", "--meta", str(src), "--out-dir", str(out), "--quiet")
             rows = []
-            for label, args in (
-                ("k3lab --help", ("--help",)),
-                ("k3lab verify (tiny set)", ("verify", "OUT", "--quiet")),
+            for label, args_for in (
+                ("k3lab --help", lambda out: ["--help"]),
+                ("k3lab verify (tiny set)", lambda out: ["verify", str(out), "--quiet"]),
             ):
-                now, before = timed(root, *args), timed(tmp_path / "base", *args)
+                now, before = (best_of(lambda t=tree, a=args_for: k3lab(t, *a(outs[t])), 7) for tree in outs)
                 rows.append(
                     (
                         f"startup: {label}",

@@ -80,7 +80,7 @@ def test_the_budget_gives_up_with_exit_1_and_progress_starts_its_clock_again() -
     def flaky(step: int) -> str:
         attempts.append(1)
         if len(attempts) <= 5:
-            report.down_bytes += step  # it got further each time
+            report.moved_bytes += step  # it got further each time
             time.sleep(0.3)
             raise httpx2.ReadTimeout("cut")
         return "done"

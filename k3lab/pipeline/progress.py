@@ -42,7 +42,7 @@ class TaskReport:
     ):
         self.number, self.emit, self.stop = number, emit, stop
         self._asked = 0.0
-        self.down_bytes = 0  # this task's downloaded bytes so far (the Hub's retries see progress)
+        self.moved_bytes = 0  # bytes this task moved over the link so far, down and up (retries see progress)
 
     def _send(self, kind: str, value: Any) -> None:
         if self.emit is not None:
@@ -59,12 +59,12 @@ class TaskReport:
         self.check()
 
     def downloaded(self, n: int) -> None:
-        self.down_bytes += n
+        self.moved_bytes += n
         self._send("down", n)
         self.check()
 
     def uploaded(self, n: int) -> None:
-        self.down_bytes += n  # (bytes that crossed the link: the retry budget's progress too)
+        self.moved_bytes += n
         self._send("up", n)
         self.check()
 

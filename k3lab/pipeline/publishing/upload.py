@@ -1,6 +1,7 @@
-"""Where a set is published (``PushTarget``), and one finished file's bytes sent to a repo's LFS storage (no commit): huggingface_hub's
-``preupload_lfs_files``, retried within the run's budget, with the file's SHA-256 handed over (made as
-the file was written) and every byte it reads reported to the run's bar."""
+"""Where a set is published (``PushTarget``), and one finished file's bytes sent to that repo's LFS
+storage (no commit): huggingface_hub's ``preupload_lfs_files``, retried within the run's budget, with
+the file's SHA-256 handed over (made as the file was written) and every byte it reads reported to the
+run's bar."""
 
 from __future__ import annotations
 

@@ -297,7 +297,7 @@ def _convert_planned(
         published_to = None
         if committer is not None and not stopped:  # (Ctrl-C: nothing more is written)
             try:
-                if not failures and publication is not None and publication.singles is not None:
+                if not failures and publication is not None:
                     _publish_singles(committer, publication, folder, task.run_token)
                 published_to = _final_commit(committer, plan, publication, not failures, task.out_dir)
             except K3LabError as e:
@@ -336,9 +336,11 @@ def _publish_singles(
     uploaded like the set's files (the local copies go unless ``keep_local``); committed with the
     set's last files. A run that uploaded nothing to a repo holding them already makes none."""
     target = publication.target
+    if publication.singles is None:  # (--text-only)
+        return
     if committer.uploaded == 0 and any(not r.is_text for r in committer.state.records.values()):
         return
-    for rec in publication.singles(token) if publication.singles else []:
+    for rec in publication.singles(token):
         op = upload(target, folder.output(rec.file))  # (a blob the repo has already is not sent again)
         rec.sha256 = op.upload_info.sha256.hex()
         folder.write_record(rec)

@@ -104,7 +104,7 @@ def with_retries(
         raise K3LabError(f"retry budget {budget!r}: give a number of seconds, 0 or more")
     counts = progress_that_counts()
     first_failure: float | None = None
-    attempt, seen = 0, report.down_bytes
+    attempt, seen = 0, report.moved_bytes
     while True:
         try:
             return fn()
@@ -116,9 +116,9 @@ def with_retries(
                     raise MachineError(f"{what}: {_reason(e)}") from None  # the machine's: a disk, a folder
                 raise HubError(f"{what}: {_reason(e)}") from None
             now = time.monotonic()
-            if report.down_bytes - seen >= counts:  # it got further this time: a new run of failures
+            if report.moved_bytes - seen >= counts:  # it got further this time: a new run of failures
                 first_failure, attempt = None, 0
-            seen = report.down_bytes
+            seen = report.moved_bytes
             first_failure = first_failure if first_failure is not None else now
             if now - first_failure >= budget:
                 raise HubUnreachable(
