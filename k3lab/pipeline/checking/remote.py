@@ -32,14 +32,9 @@ class RemoteSetError(K3LabError):
 
 
 @dataclass(frozen=True)
-class Tensor:
-    """One tensor of a remote GGUF file, as its header says."""
+class Tensor(gguf_header.TensorInfo):
+    """One tensor of a remote GGUF file, as its header says, and the file it is in."""
 
-    name: str
-    type: str  # GGMLQuantizationType's name
-    ne: tuple[int, ...]
-    offset: int  # absolute in the file
-    nbytes: int
     file: str
 
 
