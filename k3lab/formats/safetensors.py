@@ -175,7 +175,8 @@ def parse_header(
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except _DuplicateKey as e:
-        raise SafetensorsError(f"{file}: tensor {e}: appears twice in the header") from None
+        said = str(e) if not _CONTROL.search(str(e)) else repr(str(e))
+        raise SafetensorsError(f"{file}: tensor {said}: appears twice in the header") from None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise SafetensorsError(f"{file}: header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
@@ -186,6 +187,8 @@ def parse_header(
     limit = None if file_size is None else file_size - data_start
     size_of, prod, make = DTYPE_SIZE.get, math.prod, TensorEntry
     for name, info in header.items():
+        if _CONTROL.search(name):  # (as in an index: a name is said in one line, or refused)
+            raise SafetensorsError(f"{file}: tensor name {name!r} holds a control character")
         try:
             dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
             size = size_of(dtype)
