@@ -113,8 +113,10 @@ if nohash:  # measure the manifest's cost: the same run with a hasher that does 
         def hexdigest(self): return "0" * 64
     k3lab.formats.hashing.sha256 = Null
 from k3lab.kimi_k3.model import MODEL
+from k3lab.pipeline.planning.split import make_split
+from k3lab.pipeline.running.runner import RunOptions
 spec = SourceSpec.local(src)
-with start_run(MODEL, spec, out) as (plan, _, _):
+with start_run(MODEL, spec, out, RunOptions(split=make_split(None, 1))) as (plan, _, _):  # a layer per file
     source = open_source(spec)
 import numpy as np
 from k3lab.formats import mxfp4
@@ -198,8 +200,9 @@ def bench_layer() -> list[tuple[str, str, str]]:
 FULL_TASK_SETUP = """
 import sys, time
 t0 = time.perf_counter()
-from k3lab.pipeline.writing.convert import file_kvs, shard_entries
+from k3lab.pipeline.writing.convert import PlannedInputs, file_kvs
 from k3lab.pipeline.writing.folder import OutputFolder
+from k3lab.pipeline.sources import open_source
 from k3lab.pipeline.sources.base import SourceSpec
 out, src, k = sys.argv[1], sys.argv[2], int(sys.argv[3])
 t1 = time.perf_counter()
@@ -207,7 +210,7 @@ folder = OutputFolder(out)
 from k3lab.kimi_k3.model import MODEL
 plan = folder.require_plan(MODEL)
 source = open_source(SourceSpec.local(src))
-entries = shard_entries(plan, k, source)
+PlannedInputs(source, plan.file(k)).first()  # its first source file, its header checked
 kvs = file_kvs(plan, k, folder)
 t2 = time.perf_counter()
 print(t1 - t0, t2 - t1)
@@ -367,7 +370,18 @@ def bench_fullscale() -> list[tuple[str, str, str]]:
         synthesize("layer", layer, experts=64)
         shard = layer / "model-00002-of-00005.safetensors"
         lout = Path(tmp) / "lout"
-        lbase = [*k3, "convert", "--meta", str(layer), "--out-dir", str(lout), "--quiet", "--shards", "2"]
+        lbase = [
+            *k3,
+            "convert",
+            "--meta",
+            str(layer),
+            "--out-dir",
+            str(lout),
+            "--quiet",
+            "--split-max-tensors",
+            "1",
+        ]
+        lbase += ["--shards", "2"]
         subprocess.run([*lbase], check=True, capture_output=True)  # the plan, made once
         conv, cps = [], []
         for _ in range(LAYER_ROUNDS):
@@ -410,6 +424,83 @@ def bench_fullscale() -> list[tuple[str, str, str]]:
         ]
         _fresh(out)
         shutil.rmtree(out, ignore_errors=True)
+    return rows
+
+
+@row
+def bench_layouts() -> list[tuple[str, str, str]]:
+    """Kimi-K3 as transformers' save_pretrained would write it (size shards of 5 GB: about 300 files, a
+    layer across two to four of them) against Moonshot's layer per shard, both at the real headers
+    (data as holes): the plan, one output file's task, and the disk a streaming worker needs."""
+    import json
+    import tempfile
+
+    from k3lab.synth import synthesize
+
+    rows: list[tuple[str, str, str]] = []
+    k3 = [sys.executable, "-m", "k3lab.cli"]
+    with tempfile.TemporaryDirectory(dir=".") as tmp_name:
+        tmp = Path(tmp_name)
+        layouts = {"moonshot": None, "by-size:5000000000": None}
+        for lay in layouts:
+            src = tmp / lay.replace(":", "-")
+            made = synthesize("full", src, layout=lay)
+            out = tmp / f"out-{lay.replace(':', '-')}"
+            t_plan, rss_plan, _ = _run_timed([*k3, "plan", "--meta", str(src), "--out-dir", str(out)])
+            _, _, table = _run_timed([*k3, "plan", "--meta", str(src)])
+            disk = next(line for line in table.splitlines() if line.startswith("disk:"))
+            plan = json.loads(_run_timed([*k3, "plan", "--meta", str(src), "--json"])[2])
+            per_file = max(len(f["sources"]) for f in plan["files"])
+            layouts[lay] = (src, out, made.n_shards)
+            rows += [
+                (
+                    f"{lay}: {made.n_shards} source files -> {plan['n_files']} output files, plan",
+                    f"{t_plan:.1f} s",
+                    f"peak RSS {rss_plan / 2**20:.0f} MiB; up to {per_file} source files per output file",
+                ),
+                (
+                    "  streaming from the Hub, per worker",
+                    disk.split("streaming from the Hub adds up to ")[1].split(" of")[0],
+                    "the files one tensor reads + one prefetched + one kept",
+                ),
+            ]
+        # one MoE layer's output file (file 4: MLA, 896 experts), the same bytes from either layout
+        times: dict[str, list[float]] = {lay: [] for lay in layouts}
+        peaks: dict[str, int] = {}
+        for _ in range(ROUNDS):
+            for lay, (src, out, _) in layouts.items():
+                _fresh(out)
+                t, rss, _ = _run_timed(
+                    [
+                        *k3,
+                        "convert",
+                        "--meta",
+                        str(src),
+                        "--out-dir",
+                        str(out),
+                        "--quiet",
+                        "--files",
+                        "4",
+                        "--force",
+                    ]
+                )
+                times[lay].append(t)
+                peaks[lay] = max(peaks.get(lay, 0), rss)
+        a, b = times["by-size:5000000000"], times["moonshot"]
+        rows += [
+            (
+                "  output file 4 (MoE + MLA, 16.6 GB): by-size vs moonshot (paired, medians)",
+                f"{_median([x / y for x, y in zip(a, b)]):.2f}x",
+                f"by-size {', '.join(f'{t:.1f}' for t in a)} s, moonshot {', '.join(f'{t:.1f}' for t in b)} s; target <= 1.2x",
+            ),
+            (
+                "  peak RSS of that task (whole command)",
+                f"{peaks['by-size:5000000000'] / 2**20:.0f} MiB",
+                f"moonshot {peaks['moonshot'] / 2**20:.0f} MiB; target <= 600 MiB",
+            ),
+        ]
+        for _, out, _ in layouts.values():
+            _fresh(out)
     return rows
 
 
@@ -608,7 +699,7 @@ def sparse_set(full: Path, out: Path) -> Path:
                 pf.digest,
                 plan.basename,
                 plan.outtype,
-                {"file": pf.source_file},
+                list(pf.sources),
             )
         )
     with open(folder.manifest, "wb") as fh:
@@ -880,7 +971,17 @@ def bench_cluster() -> list[tuple[str, str, str]]:
         _fresh(tmp / "local")
         t = time.perf_counter()
         subprocess.run(
-            [*k3, "convert", "--meta", str(src), "--out-dir", str(tmp / "local"), "--quiet"],
+            [
+                *k3,
+                "convert",
+                "--meta",
+                str(src),
+                "--out-dir",
+                str(tmp / "local"),
+                "--quiet",
+                "--split-max-tensors",
+                "1",
+            ],
             check=True,
             capture_output=True,
         )
@@ -892,9 +993,9 @@ def bench_cluster() -> list[tuple[str, str, str]]:
             ["git", "-C", str(root), "worktree", "add", "-q", "--detach", str(tmp / "base"), base], check=True
         )
         runs = [
-            ("now", root, 1, ["--text-only"]),
+            ("now", root, 1, ["--text-only", "--split-max-tensors", "1"]),  # (a task per layer)
             ("base", tmp / "base", 1, []),
-            ("now", root, 2, ["--text-only"]),
+            ("now", root, 2, ["--text-only", "--split-max-tensors", "1"]),
         ]
         walls: dict[tuple[str, int], float] = {}
         try:

@@ -125,9 +125,9 @@ def provenance(plan: Any) -> str:
     pinned = plan.inputs.get("pinned") or {}
     if pinned.get("repo"):
         return f"`{pinned['repo']}` at commit `{pinned['commit']}`"
-    shards = json.dumps(plan.inputs.get("shards") or {}, sort_keys=True).encode()
+    shards = json.dumps(plan.inputs.get("files") or {}, sort_keys=True).encode()
     return (
-        "a local copy (not read from the Hub; its shards' fingerprint, SHA-256 of their sizes and header "
+        "a local copy (not read from the Hub; its files' fingerprint, SHA-256 of their sizes and header "
         f"hashes: `{hashlib.sha256(shards).hexdigest()[:16]}`)"
     )
 
@@ -140,7 +140,7 @@ def card_fields(
     mmproj = next((r.file for r in others if r.kind == "vision"), "")
     tokenizer = next((r.file for r in others if r.kind == "tokenizer"), "")
     total = sum(r.size for r in text)
-    pattern = f"{plan.basename}-{plan.label}-*-of-*.gguf"
+    pattern = text[0].file if len(text) == 1 else f"{plan.basename}-{plan.label}-*-of-*.gguf"
     local = f"{plan.basename}-GGUF"
 
     def download(*patterns: str) -> str:
@@ -178,6 +178,22 @@ def card_fields(
             model, local, text[0].file if text else "", mmproj, tokenizer, with_mmproj
         ),
         "metadata_table": metadata_table(kvs),
+        "set_words": (
+            f"One GGUF file (no split keys), {in_unit(total, size_unit(total))}"
+            if len(text) == 1
+            else f"One llama.cpp split set of {len(text)} files, {in_unit(total, size_unit(total))}"
+        ),
+        "split_words": (
+            "the whole text model in one file"
+            if len(text) == 1
+            else "whole layers per output file (never a layer across two), whatever the source's files"
+        ),
+        "run_words": (
+            "Download the text model (one file), then point llama.cpp at it:"
+            if len(text) == 1
+            else "Download the text model (the split set), then point llama.cpp at the first file; it finds "
+            "the others:"
+        ),
     }
 
 

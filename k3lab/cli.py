@@ -125,7 +125,18 @@ RUN_FLAGS = {
     "--outtype": dict(choices=["auto", "bf16", "f16", "f32"], default="auto", help="auto: MXFP4, BF16 kept"),
     "--chat-template": dict(metavar="FILE", help="a Jinja chat template to embed in file 1"),
     "--name": dict(help="output basename (default: the model's, Kimi-K3)"),
+    "--split-max-size": dict(
+        metavar="N[K|M|G]",
+        help="at most this much tensor data per output file, whole layers only (default: the whole set "
+        "in one file when it fits in 50G, else one layer per file)",
+    ),
+    "--split-max-tensors": dict(
+        type=values.argument(values.count, 1, 10**9),
+        metavar="N",
+        help="at most N tensors per output file, whole layers only (1: one layer per file)",
+    ),
 }
+FILES_HELP = "output files to write: N, A-B or a comma mix (default: all); --shards is its old name"
 PUSH_FLAGS = {
     "--push-branch": dict(help="the branch to publish to (default: main; made if missing)"),
     "--private": dict(action="store_true", help="make the repo private when creating it"),
@@ -158,11 +169,25 @@ def build_parser() -> argparse.ArgumentParser:
         "write a synthetic Kimi-K3 checkpoint",
         model=False,
     )
-    s.add_argument("--preset", choices=["tiny", "testmodel", "layer", "full"], default="tiny")
+    s.add_argument(
+        "--preset",
+        choices=["tiny", "tiny-f32", "testmodel", "layer", "full"],
+        default="tiny",
+        help="tiny: 4 MiB, MXFP4 experts (the default); tiny-f32: tiny's size, float32 and plain experts; "
+        "testmodel: the published Kimi-K3-0.40B's config (1.6 GB, float32, one file); layer: MoE layers "
+        "at the real expert size (300 MB); full: the real 93-layer model, headers only (data as holes)",
+    )
     s.add_argument("--out", required=True, help="output folder")
     s.add_argument("--seed", type=SEED, default=0)
     s.add_argument("--experts", type=EXPERTS, help="override the number of routed experts")
     s.add_argument("--draw", choices=["trained", "normal", "fan-in", "near-ties"], default="trained")
+    s.add_argument(
+        "--layout",
+        metavar="moonshot|one-file|by-size:BYTES",
+        help="the files: Moonshot's (a layer per shard; the default but for testmodel, one file), one "
+        "model.safetensors (no index), or size-based shards as transformers' save_pretrained writes "
+        "them (by-size:5000000000)",
+    )
 
     tok = lambda req, a: print(request.tokenizer(req, a.out, print))  # noqa: E731
     t = command("tokenizer", tok, "the vocabulary and hyperparameters as a standalone GGUF (no tensors)")
@@ -178,11 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
     c = command("convert", _convert, "convert the text model to a GGUF split set, shard by shard")
     _flags(c, SOURCE_FLAGS, RUN_FLAGS, PUSH_FLAGS, meta=True)
     c.add_argument("--out-dir", required=True)
-    c.add_argument("--shards", help="N, A-B or a comma mix (default: all)")
-    c.add_argument("--jobs", type=JOBS, default=1, help="shards converted in parallel processes")
+    c.add_argument("--files", "--shards", dest="shards", metavar="LIST", help=FILES_HELP)
+    c.add_argument("--jobs", type=JOBS, default=1, help="output files converted in parallel processes")
     c.add_argument("--force", action="store_true", help="redo complete files; replace another set's")
     c.add_argument("--quiet", action="store_true", help="errors and one summary line only")
-    c.add_argument("--scheduler", help="fan the shards out on this Dask scheduler instead of local processes")
+    c.add_argument(
+        "--scheduler", help="one task per output file on this Dask scheduler instead of local processes"
+    )
     c.add_argument("--push-to", metavar="ORG/NAME", type=REPO, help="publish every file to this Hub repo")
     c.add_argument("--keep-local", action="store_true", help="keep each file after uploading it")
     c.add_argument(
@@ -200,8 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = command("batch", _batch, "run a notebook once per shard with papermill, on Dask")
     b.add_argument("--notebook", default=str(default_nb), help="default: notebooks/03-convert-shard.ipynb")
     _flags(b, {k: SOURCE_FLAGS[k] for k in ("--meta", "--src")}, meta=True)
+    _flags(b, {k: RUN_FLAGS[k] for k in ("--split-max-size", "--split-max-tensors")})
     b.add_argument("--out-dir", required=True)
-    b.add_argument("--shards", help="N, A-B or a comma mix (default: all)")
+    b.add_argument("--files", "--shards", dest="shards", metavar="LIST", help=FILES_HELP)
     b.add_argument("--scheduler", help="address of a running Dask scheduler (default: a LocalCluster)")
     b.add_argument("--workers", type=JOBS, default=2, help="LocalCluster worker processes")
     b.add_argument("--run-id", help="default: a timestamp")

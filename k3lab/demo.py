@@ -55,11 +55,8 @@ def run_demo(workdir: str | Path, seed: int = 0, jobs: int = 2, model: str = "ki
     t = time.perf_counter()
     files = request.convert(req, say=lambda line: print(f"  {line}"))
     written = sum(not f.skipped for f in files)
-    step(
-        "convert",
-        t,
-        f"{len(files)} GGUF split files ({written} written, {len(files) - written} already complete)",
-    )
+    what = "one GGUF file" if len(files) == 1 else f"{len(files)} GGUF split files"
+    step("convert", t, f"{what} ({written} written, {len(files) - written} already complete)")
     if the_model.tokenizer_kvs is not None:
         t = time.perf_counter()
         tok = request.tokenizer(req, str(out / f"{the_model.default_basename}-tokenizer.gguf"))
@@ -80,7 +77,7 @@ def run_demo(workdir: str | Path, seed: int = 0, jobs: int = 2, model: str = "ki
     for line in report.lines():
         print("  ", line)
 
-    first = sorted(out.glob("*-00001-of-*.gguf"))[0]
+    first = out / files[0].filename
     if importlib.util.find_spec("llama_cpp") is not None:
         t = time.perf_counter()
         step("llama.cpp", t, "generated " + _generate(first))

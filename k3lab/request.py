@@ -54,6 +54,8 @@ class Request:
     keep_local: bool = False
     commit_every: float | None = None
     text_only: bool = False  # publish the split set alone (not the mmproj and the tokenizer GGUF)
+    split_max_size: str | None = None  # gguf-split's limits per output file (default: see ``split``)
+    split_max_tensors: int | None = None
 
     def __post_init__(self) -> None:
         """Every value checked as the CLI checks it (a notebook makes a Request directly)."""
@@ -108,11 +110,8 @@ class Request:
                 meta_files=model.meta_files,
                 optional_meta=model.optional_meta,
             )
-        from k3lab.formats.safetensors import INDEX_NAME
         from k3lab.pipeline.sources.base import SourceSpec
 
-        if self.src is None and not Path(self.meta, INDEX_NAME).exists():
-            raise K3LabError(f"{self.meta}: no {INDEX_NAME}; give --src, or --repo to stream from the Hub")
         return SourceSpec.local(self.meta, self.src or self.meta)
 
     def output_source(self) -> SourceSpec:
@@ -123,16 +122,18 @@ class Request:
 
     def run_options(self) -> tuple[Any, str]:
         """``RunOptions`` and the line saying which chat template is embedded."""
+        from k3lab.pipeline.planning.split import make_split
         from k3lab.pipeline.running.runner import RunOptions
         from k3lab.pipeline.writing.folder import check_basename
 
         model = self.load_model()
         if self.name is not None:
             check_basename(self.name)
+        split = make_split(self.split_max_size, self.split_max_tensors)
         template, line = None, ""
         if model.front is not None and self.meta is not None:
             template, line = model.front.chat_template(Path(self.meta), self.chat_template)
-        return RunOptions(self.outtype, self.name, template, self.force), line
+        return RunOptions(self.outtype, self.name, template, self.force, split), line
 
     def publication(self) -> Any:
         """``--push-to`` and its flags as a ``Publication`` (None without ``--push-to``)."""
@@ -220,7 +221,9 @@ def plan(req: Request, say: Say | None = None) -> Any:
     basename = check_basename(model.default_basename if options.basename is None else options.basename)
     with opened_source(req) as source:
         cfg = model.load_config(Path(req.meta or ""))
-        return build_plan(model, cfg, source, options.outtype, basename, options.chat_template)
+        return build_plan(
+            model, cfg, source, options.outtype, basename, options.chat_template, split=options.split
+        )
 
 
 def convert(req: Request, say: Say | None = None, run_token: str | None = None) -> list[Any]:
@@ -380,7 +383,8 @@ def batch(req: Request, notebook: str, workers: int, run_id: str | None, runs_di
     from k3lab.pipeline.running.batch import run_batch
     from k3lab.pipeline.running.runner import start_run
 
-    with start_run(req.load_model(), req.output_source(), req.out_dir, shards=req.shards) as (
+    options, _ = req.run_options()
+    with start_run(req.load_model(), req.output_source(), req.out_dir, options, shards=req.shards) as (
         _,
         token,
         numbers,

@@ -15,27 +15,44 @@ def tiny_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def convert(src: Path, out: Path, *extra: str) -> int:
+# one layer per output file: tiny's 8 layers and its output tensors as 9 files, the split set the
+# real model gives by default (tiny fits in one file, its own default); most tests of the machinery
+# (--jobs, --files, resume, Dask, publishing) want several files
+PER_LAYER = ("--split-max-tensors", "1")
+
+
+def convert(src: Path, out: Path, *extra: str, per_layer: bool = True) -> int:
     from k3lab.cli import main
 
-    return main(["convert", "--meta", str(src), "--out-dir", str(out), "--quiet", *extra])
+    split = PER_LAYER if per_layer else ()
+    return main(["convert", "--meta", str(src), "--out-dir", str(out), "--quiet", *split, *extra])
 
 
 @pytest.fixture(scope="session")
 def tiny_out(tiny_src: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tiny converted with --jobs 2 (read-only: copy it before changing anything)."""
+    """tiny converted a layer per file with --jobs 2 (read-only: copy it before changing anything)."""
     out = tmp_path_factory.mktemp("tiny-gguf")
     assert convert(tiny_src, out, "--jobs", "2") == 0
     return out
 
 
-def saved_plan(src: Path, out: Path):
+@pytest.fixture(scope="session")
+def tiny_one(tiny_src: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny converted as the default makes it: one file, no split keys (read-only)."""
+    out = tmp_path_factory.mktemp("tiny-one")
+    assert convert(tiny_src, out, per_layer=False) == 0
+    return out
+
+
+def saved_plan(src: Path, out: Path, per_layer: bool = True):
     """Plan converting ``src`` into ``out`` and save it there, as a run does (then release the folder)."""
     from k3lab.kimi_k3.model import MODEL
-    from k3lab.pipeline.running.runner import start_run
+    from k3lab.pipeline.planning.split import make_split
+    from k3lab.pipeline.running.runner import RunOptions, start_run
     from k3lab.pipeline.sources.base import SourceSpec
 
-    with start_run(MODEL, SourceSpec.local(src), out) as (plan, _, _):
+    options = RunOptions(split=make_split(None, 1) if per_layer else None)
+    with start_run(MODEL, SourceSpec.local(src), out, options) as (plan, _, _):
         return plan
 
 

@@ -1,4 +1,4 @@
-"""k3lab batch: the conversion notebook run per shard with papermill on a Dask LocalCluster."""
+"""k3lab batch: the conversion notebook run per output file with papermill on a Dask LocalCluster."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import psutil
+from conftest import PER_LAYER
 
 from k3lab.cli import main
 
@@ -33,6 +34,8 @@ def _batch_args(src: Path, out: Path, runs: Path, run_id: str) -> list[str]:
         str(runs),
         "--run-id",
         run_id,
+        "--split-max-tensors",  # a layer per file: nine notebooks
+        "1",
     ]
 
 
@@ -46,8 +49,8 @@ def test_batch_on_a_local_cluster(tiny_src: Path, tiny_out: Path, tmp_path: Path
     text = capsys.readouterr().out
     assert code == 0, text
     assert "9 ok, 0 failed" in text
-    executed = sorted((runs / "first").glob("shard-*.ipynb"))
-    assert [p.name for p in executed] == [f"shard-{k:02d}.ipynb" for k in range(1, 10)]
+    executed = sorted((runs / "first").glob("file-*.ipynb"))
+    assert [p.name for p in executed] == [f"file-{k:02d}.ipynb" for k in range(1, 10)]
     assert json.loads(executed[3].read_text())["cells"][1]["source"]  # a real executed notebook
     assert main(["verify", str(out), "--quiet"]) == 0
     for f in tiny_out.glob("*.gguf"):  # the same bytes as a plain conversion
@@ -62,7 +65,7 @@ def test_a_killed_worker_is_recovered_by_running_again(tiny_src: Path, tmp_path:
     victim = None
     deadline = time.time() + 120
     while time.time() < deadline and victim is None:
-        if list((runs / "killed").glob("shard-*.ipynb")) if (runs / "killed").exists() else []:
+        if list((runs / "killed").glob("file-*.ipynb")) if (runs / "killed").exists() else []:
             kids = psutil.Process(proc.pid).children(recursive=False)
             workers = [k for k in kids if "spawn" in " ".join(k.cmdline())]
             if workers:
@@ -97,6 +100,7 @@ def test_convert_fans_out_on_an_existing_scheduler(tiny_src: Path, tiny_out: Pat
                 "--quiet",
                 "--scheduler",
                 cluster.scheduler_address,
+                *PER_LAYER,
             ]
         )
     assert code == 0

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import PER_LAYER
 from hub_server import HubServer
 
 from k3lab.cli import main
@@ -56,7 +57,9 @@ def test_a_shard_list_is_checked_against_the_plan_without_expanding_it(
 ) -> None:
     out = tmp_path / "out"
     t0 = time.monotonic()
-    code = main(["convert", "--meta", str(tiny_src), "--out-dir", str(out), "--quiet", "--shards", shards])
+    code = main(
+        ["convert", "--meta", str(tiny_src), "--out-dir", str(out), "--quiet", *PER_LAYER, "--shards", shards]
+    )
     lines = _lines(capsys)
     assert code == 2 and len(lines) == 1 and needle in lines[0] and "--shards" in lines[0], lines
     assert time.monotonic() - t0 < 30
@@ -116,7 +119,10 @@ def _with_config(src: Path, dest: Path, change: dict) -> Path:
             {"text_config.num_hidden_layers": 10**15},
             "num_hidden_layers is 1000000000000000; expected a positive integer up to 99,998",
         ),
-        ({"text_config.num_hidden_layers": 90_000}, "90000 layers need 90001 shard files"),
+        (
+            {"text_config.num_hidden_layers": 90_000},
+            "90000 layers, but the checkpoint holds only 548 text tensors",
+        ),
         ({"text_config.num_experts": 60_000}, "60000 experts, but the index lists only"),
         ({"text_config.vocab_size": 2**40}, "vocab_size is 1099511627776"),
         ({"text_config.hidden_size": 2**62}, "hidden_size is 4611686018427387904"),
@@ -200,6 +206,7 @@ def test_a_trickling_server_ends_the_run_within_the_budget(tiny_src: Path, tmp_p
                 str(tmp_path / "meta"),
                 "--out-dir",
                 str(tmp_path / "out"),
+                *PER_LAYER,
             ).returncode
             == 0
         )
@@ -247,6 +254,7 @@ def test_a_full_scratch_disk_is_one_line_exit_1(tiny_src: Path, tmp_path: Path) 
                 str(tmp_path / "out"),
                 "--scratch",
                 str(mnt),
+                *PER_LAYER,
                 "--shards",
                 "2",
             )
@@ -325,7 +333,7 @@ def other_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = tmp_path_factory.mktemp("other") / "src"
     synthesize("tiny", src, seed=5)
     out = tmp_path_factory.mktemp("other-gguf")
-    assert main(["convert", "--meta", str(src), "--out-dir", str(out), "--quiet"]) == 0
+    assert main(["convert", "--meta", str(src), "--out-dir", str(out), "--quiet", *PER_LAYER]) == 0
     return out
 
 

@@ -213,7 +213,7 @@ def test_private_and_branch_are_what_the_hub_enforces(tiny_src: Path, tmp_path: 
         assert r.returncode == 0, r.stderr
         assert "k3lab-test/Private" in hub.private
         on_dev = {n for n in hub.files_of("k3lab-test/Private", "dev") if n.endswith(".gguf")}
-        assert len(on_dev) == 9 and not [n for n in hub.files_of("k3lab-test/Private") if n.endswith(".gguf")]
+        assert len(on_dev) == 1 and not [n for n in hub.files_of("k3lab-test/Private") if n.endswith(".gguf")]
         with pytest.raises(RepositoryNotFoundError):
             HfApi(endpoint=hub.url, token=False).model_info("k3lab-test/Private", revision="dev")
         assert HfApi(endpoint=hub.url, token=TOKEN).model_info("k3lab-test/Private", revision="dev").private

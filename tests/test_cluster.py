@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import PER_LAYER
 from dask_helpers import dask_cluster, wait_workers
 from hub_server import HubServer
 
@@ -51,6 +52,7 @@ def _args(tmp: Path, *extra: str) -> list[str]:
         str(tmp / "out"),
         "--scratch",
         str(tmp / "scratch"),
+        *PER_LAYER,  # a layer per file: a task each on the cluster
         *extra,
     ]
 
@@ -106,7 +108,7 @@ def test_one_commit_per_set_while_the_repo_moves(
         shard_gets = {r[1].split("/resolve/")[1].split("/")[0] for r in hub.requests if "/resolve/" in r[1]}
         assert shard_gets == {first}, shard_gets  # every download at the planned commit
         manifest = json.loads((tmp_path / "out" / "MANIFEST.json").read_text())
-        served = {r["source"]["file"]: r["source"]["sha256"] for r in manifest["files"]}
+        served = {r["sources"][0]["file"]: r["sources"][0]["sha256"] for r in manifest["files"]}
         import hashlib
 
         assert served[shard] == hashlib.sha256((tiny_src / shard).read_bytes()).hexdigest()
@@ -123,7 +125,7 @@ def test_one_commit_per_set_while_the_repo_moves(
         assert again.returncode == 0, again.stderr[-3000:]
         assert "1 written, 8 already complete" in again.stdout, again.stdout
         assert f"the source moved (commit {first[:12]} -> {moved[:12]})" in again.stderr, again.stderr
-        redone = [f for f in manifest["files"] if f["source"]["file"] == shard][0]["file"]
+        redone = [f for f in manifest["files"] if f["sources"][0]["file"] == shard][0]["file"]
         assert f"1 of 9 output files change ({redone.split('-')[-3].lstrip('0')})" in again.stderr
         after = _snapshot(tmp_path / "out")
         for name, st in before.items():

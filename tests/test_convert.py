@@ -14,7 +14,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from conftest import convert
+from conftest import PER_LAYER, convert
 from gguf.quants import dequantize
 from llama_support import needs_llama
 from safetensors import safe_open
@@ -57,6 +57,9 @@ class Source:
     def f32(self, name: str) -> np.ndarray:
         a = self.raw(name)
         return (a.astype(np.uint32) << 16).view(np.float32) if a.dtype == np.uint16 else a.astype(np.float32)
+
+    def has(self, name: str) -> bool:
+        return name in self.index
 
 
 def _expected(src: Source, name: str, cfg: dict) -> tuple[str, np.ndarray]:
@@ -131,6 +134,10 @@ def _expected(src: Source, name: str, cfg: dict) -> tuple[str, np.ndarray]:
         return "BF16", np.stack([hd[nope:] for hd in heads])  # (head, v, kv_lora)
     if what.endswith("_exps.weight"):
         w = {"gate": "w1", "down": "w2", "up": "w3"}[what.split("_")[1]]
+        if src.has(moe + f"experts.0.{w}.weight"):  # plain experts: stacked as they are
+            return "BF16", np.stack(
+                [src.raw(moe + f"experts.{e}.{w}.weight") for e in range(t["num_experts"])]
+            )
         return "MXFP4", np.stack(
             [
                 mxfp4.decode_compressed_tensors(
@@ -267,6 +274,7 @@ def test_killed_run_resumes_to_identical_files(tmp_path: Path) -> None:
     assert convert(src, clean) == 0
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "k3lab.cli", "convert", "--meta", str(src), "--out-dir", str(out), "--quiet"]
+    cmd += PER_LAYER
     proc = subprocess.Popen(cmd)
     deadline = time.time() + 60
     while time.time() < deadline:  # kill it while the big MoE file is half written
@@ -290,7 +298,7 @@ def test_killed_run_resumes_to_identical_files(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def testmodel_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("testmodel") / "src"
-    assert main(["synth", "--preset", "testmodel", "--out", str(out)]) == 0
+    assert main(["synth", "--preset", "tiny-f32", "--out", str(out)]) == 0
     return out
 
 
@@ -301,9 +309,10 @@ def testmodel_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_unquantized_source_with_outtype(
     testmodel_src: Path, tmp_path: Path, outtype: str, label: str, matrix_type: str
 ) -> None:
-    assert convert(testmodel_src, tmp_path, "--outtype", outtype) == 0
-    files = sorted(tmp_path.glob(f"Kimi-K3-{label}-*-of-00009.gguf"))
-    assert len(files) == 9
+    assert convert(testmodel_src, tmp_path, "--outtype", outtype, per_layer=False) == 0
+    files = sorted(tmp_path.glob("*.gguf"))  # one file, named as upstream's converter names it
+    assert [f.name for f in files] == [f"Kimi-K3-2.7M-{label}.gguf"]
+    assert not [k for k in gguf.GGUFReader(files[0]).fields if k.startswith("split.")]
     src = Source(testmodel_src)
     by_name = {t.name: t for f in files for t in gguf.GGUFReader(f).tensors}
     q = by_name["blk.1.attn_q.weight"]
@@ -332,8 +341,9 @@ def test_unquantized_source_with_outtype(
 def test_llama_cpp_runs_the_unquantized_conversion(testmodel_src: Path, tmp_path: Path) -> None:
     import llama_cpp
 
-    assert convert(testmodel_src, tmp_path, "--outtype", "f16") == 0
-    llm = llama_cpp.Llama(str(sorted(tmp_path.glob("*.gguf"))[0]), n_ctx=64, n_threads=2, verbose=False)
+    assert convert(testmodel_src, tmp_path, "--outtype", "f16", per_layer=False) == 0
+    (one,) = tmp_path.glob("*.gguf")  # one file, no split keys: what a llama.cpp user expects
+    llm = llama_cpp.Llama(str(one), n_ctx=64, n_threads=2, verbose=False)
     llm.eval(llm.tokenize(b"Hello world", add_bos=False))
     toks = []
     for _ in range(8):
@@ -352,7 +362,7 @@ def test_mxfp4_source_with_f16_keeps_the_experts(tiny_src: Path, tmp_path: Path)
 def test_plan_reports_files_tensors_disk_and_memory(
     tiny_src: Path, tiny_out: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["plan", "--meta", str(tiny_src), "--json"]) == 0
+    assert main(["plan", "--meta", str(tiny_src), "--json", *PER_LAYER]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert (plan["n_files"], plan["n_tensors"]) == (9, 218)
     by_file = {f["filename"]: f for f in plan["files"]}
@@ -360,7 +370,7 @@ def test_plan_reports_files_tensors_disk_and_memory(
     for rec in manifest["files"]:  # the plan predicted every tensor's type, shape and size
         predicted = {t["name"]: (t["type"], t["ne"], t["bytes"]) for t in by_file[rec["file"]]["tensors"]}
         assert predicted == {t["name"]: (t["type"], t["ne"], t["nbytes"]) for t in rec["tensors"]}
-    assert main(["plan", "--meta", str(tiny_src), "--jobs", "2"]) == 0
+    assert main(["plan", "--meta", str(tiny_src), "--jobs", "2", *PER_LAYER]) == 0
     table = capsys.readouterr().out
     assert "9 output files" in table and "disk: final" in table and "for --jobs 2" in table
 

@@ -214,7 +214,7 @@ def _verify(out: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, list[st
     [
         ({}, "not a k3lab manifest"),
         ([], "not a k3lab manifest"),
-        ({"files": [{}]}, "files[0]: not a k3lab-manifest/2 record"),
+        ({"files": [{}]}, "files[0]: not a k3lab-manifest/3 record"),
         ("edited offset", "lie outside the data"),
         ("string size", "field 'size' is missing or malformed"),
         ("not json", "not valid JSON"),

@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+from conftest import PER_LAYER
 from dask_helpers import dask_cluster
 from hub_server import HubServer
 
@@ -40,6 +41,7 @@ def _convert(
         "--scratch",
         str(tmp / "scratch"),
         "--quiet",
+        *PER_LAYER,  # a layer per file: each output file streams its own source file
         *extra,
     ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -114,7 +116,7 @@ def test_missing_repo_and_missing_file_are_one_line_errors(tiny_src: Path, tmp_p
         assert len(err) == 1 and "someone/not-there" in err[0] and "404" in err[0]
     served = tmp_path / "served"
     shutil.copytree(tiny_src, served)
-    (served / "model-00004-of-00011.safetensors").unlink()
+    (served / "model-00004-of-000011.safetensors").unlink()
     with HubServer(served) as hub:
         r = _convert(hub, tmp_path / "b")
         assert r.returncode == 2
@@ -122,7 +124,7 @@ def test_missing_repo_and_missing_file_are_one_line_errors(tiny_src: Path, tmp_p
         assert (
             len(err) == 1
             and REPO in err[0]
-            and "model-00004-of-00011.safetensors" in err[0]
+            and "model-00004-of-000011.safetensors" in err[0]
             and "404" in err[0]
         )
         assert not list((tmp_path / "b" / "out").glob("*.gguf"))
@@ -151,7 +153,7 @@ def test_every_dask_worker_streams_its_own_shards_from_the_hub(
             assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
         streamed = json.loads((tmp_path / "out" / "MANIFEST.json").read_text())
         for rec in streamed["files"]:  # the Hub also gives each source file's SHA-256
-            assert len(rec["source"].pop("sha256")) == 64
+            assert len(rec["sources"][0].pop("sha256")) == 64
             rec.pop("plan_digest")  # which covers that SHA-256
         local = json.loads((tiny_out / "MANIFEST.json").read_text())
         for rec in local["files"]:
@@ -381,7 +383,20 @@ def test_a_download_cut_half_way_resumes_from_its_last_byte(tiny_src: Path, tmp_
     from k3lab.cli import main
 
     assert (
-        main(["convert", "--meta", str(tiny_src), "--out-dir", str(local), "--shards", "3", "--quiet"]) == 0
+        main(
+            [
+                "convert",
+                "--meta",
+                str(tiny_src),
+                "--out-dir",
+                str(local),
+                *PER_LAYER,
+                "--shards",
+                "3",
+                "--quiet",
+            ]
+        )
+        == 0
     )
     assert (tmp_path / "out" / name).read_bytes() == (local / name).read_bytes()
 

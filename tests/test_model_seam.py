@@ -15,6 +15,7 @@ import toy_model
 
 from k3lab.formats import mxfp4
 from k3lab.pipeline.checking.verify import verify
+from k3lab.pipeline.planning.split import make_split
 from k3lab.pipeline.running.runner import RunOptions, convert_shards
 from k3lab.pipeline.sources.base import SourceSpec
 from k3lab.pipeline.writing.folder import OutputFolder
@@ -58,9 +59,9 @@ def test_a_second_architecture_plans_converts_resumes_and_verifies(tmp_path: Pat
     spec = SourceSpec.local(src)
     out = tmp_path / "out"
 
-    results = convert_shards(
-        toy_model.MODEL, spec, out, jobs=2, quiet=True
-    )  # the model crosses to workers by name
+    # a layer per output file, from the toy's ONE source file: the model crosses to workers by name
+    per_layer = RunOptions(split=make_split(None, 1))
+    results = convert_shards(toy_model.MODEL, spec, out, jobs=2, quiet=True, options=per_layer)
     assert [r.skipped for r in results] == [False, False, False]
     names = [r.filename for r in results]
     assert names == [f"Toy-MXFP4-0000{k}-of-00003.gguf" for k in (1, 2, 3)]
@@ -88,10 +89,10 @@ def test_a_second_architecture_plans_converts_resumes_and_verifies(tmp_path: Pat
     assert np.array_equal(np.asarray(tensors["blk.0.ffn_up_exps.weight"].data).reshape(-1), want)
 
     # resume: nothing redone; one file removed: only it is redone, byte-identical
-    again = convert_shards(toy_model.MODEL, spec, out, quiet=True)
+    again = convert_shards(toy_model.MODEL, spec, out, quiet=True, options=per_layer)
     assert all(r.skipped for r in again)
     (out / names[1]).unlink()
-    redo = convert_shards(toy_model.MODEL, spec, out, quiet=True)
+    redo = convert_shards(toy_model.MODEL, spec, out, quiet=True, options=per_layer)
     assert [r.skipped for r in redo] == [True, False, True]
     assert _bytes(out) == first
 
@@ -120,7 +121,7 @@ def test_a_toy_plan_is_never_taken_for_a_kimi_plan(tmp_path: Path) -> None:
     folder = OutputFolder(out)
     assert folder.load_plan(toy_model.MODEL) is not None
     assert folder.load_plan(KIMI) is None  # another model's plan reads as absent
-    digest = hashlib.sha256((out / "Toy-MXFP4-00001-of-00003.gguf").read_bytes()).hexdigest()
+    digest = hashlib.sha256((out / "Toy-64K-MXFP4.gguf").read_bytes()).hexdigest()
     assert len(digest) == 64
 
 

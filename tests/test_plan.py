@@ -75,7 +75,7 @@ def test_a_task_reads_only_its_own_shard_header(tiny_src: Path, tmp_path: Path, 
     task.task_plan.cache_clear()
     result = run_task(Task(MODEL, str(tmp_path), spec, plan.inputs_digest), 3)
     assert not result.skipped
-    assert read == [plan.file(3).source_file]
+    assert read == [plan.file(3).source_names[0]]
 
 
 @pytest.mark.parametrize(
@@ -166,7 +166,7 @@ def test_a_task_refuses_a_shard_that_changed_after_planning(tiny_src: Path, tmp_
     src = _copy(tiny_src, tmp_path)
     spec = SourceSpec.local(src)
     plan = saved_plan(src, tmp_path / "out")
-    shard = src / plan.file(2).source_file
+    shard = src / plan.file(2).source_names[0]
     data = shard.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     shard.write_bytes(data[: 8 + n - 1] + b"\n" + data[8 + n :])  # same length, other header bytes

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import PER_LAYER
 from dask_helpers import dask_cluster
 from hub_server import HubServer, git_blob_id
 from llama_support import needs_llama
@@ -46,7 +47,9 @@ def _k3lab(hub: HubServer, tmp: Path, *args: str, timeout: float = 600) -> subpr
 
 
 def _convert_args(tmp: Path, *extra: str) -> list[str]:
-    return ["convert", "--repo", SOURCE, "--meta", str(tmp / "meta"), "--out-dir", str(tmp / "out"), *extra]
+    # a layer per file: each task publishes its own file
+    out = ["convert", "--repo", SOURCE, "--meta", str(tmp / "meta"), "--out-dir", str(tmp / "out")]
+    return [*out, *PER_LAYER, *extra]
 
 
 def _repo_ggufs(hub: HubServer, repo: str = TARGET, branch: str = "main") -> dict[str, bytes]:
@@ -360,7 +363,12 @@ def test_a_published_file_is_read_once_after_it_is_written(
             constants, "HF_HUB_DISABLE_XET", True
         )  # (read at import: the loopback Hub speaks LFS)
         req = request.Request(
-            meta=str(tiny_src), out_dir=str(tmp_path / "out"), push_to=TARGET, quiet=True, text_only=True
+            meta=str(tiny_src),
+            out_dir=str(tmp_path / "out"),
+            push_to=TARGET,
+            quiet=True,
+            text_only=True,
+            split_max_tensors=1,
         )
         results = request.convert(req)
         sizes = {n: len(d) for n, d in _repo_ggufs(hub).items()}

@@ -10,6 +10,7 @@ from collections import namedtuple
 from pathlib import Path
 
 import numpy as np
+from conftest import PER_LAYER
 from gguf import GGMLQuantizationType
 
 from k3lab.formats import mxfp4
@@ -79,11 +80,11 @@ def test_a_task_on_a_file_without_mxfp4_never_imports_numba(tiny_src: Path, tmp_
     file 1) load it. A task on a saved plan converting the output tensors never does."""
     from k3lab.cli import main
 
-    assert main(["plan", "--meta", str(tiny_src), "--out-dir", str(tmp_path)]) == 0
+    assert main(["plan", "--meta", str(tiny_src), "--out-dir", str(tmp_path), *PER_LAYER]) == 0
     code = (
         "import sys; from k3lab.cli import main; "
         f"code = main(['convert', '--meta', {str(tiny_src)!r}, '--out-dir', {str(tmp_path)!r}, "
-        "'--shards', '9', '--quiet']); print(code, 'numba' in sys.modules)"
+        "'--split-max-tensors', '1', '--shards', '9', '--quiet']); print(code, 'numba' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split()[-2:] == ["0", "False"], out

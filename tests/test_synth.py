@@ -100,7 +100,7 @@ def _read(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 def test_tiny_matches_the_facts_shard_by_shard(tiny_src: Path) -> None:
     index = json.loads((tiny_src / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
-    assert files == [f"model-{k:05d}-of-00011.safetensors" for k in range(1, 12)]
+    assert files == [f"model-{k:05d}-of-000011.safetensors" for k in range(1, 12)]
     for k in range(1, 9):  # shard k holds exactly layer k-1
         assert _read(tiny_src / files[k - 1]) == _expected_layer(k - 1), f"shard {k}"
     assert _read(tiny_src / files[8]) == {
@@ -149,7 +149,7 @@ def test_config_has_every_real_key(tiny_src: Path) -> None:
 def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path: Path, tiny_src: Path) -> None:
     synthesize("tiny", tmp_path / "a", seed=0)
     synthesize("tiny", tmp_path / "b", seed=1)
-    name = "model-00002-of-00011.safetensors"
+    name = "model-00002-of-000011.safetensors"
     assert (tmp_path / "a" / name).read_bytes() == (tiny_src / name).read_bytes()
     assert (tmp_path / "b" / name).read_bytes() != (tiny_src / name).read_bytes()
 
@@ -157,7 +157,7 @@ def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path: Path, tiny_src: P
 def test_scales_look_trained_and_differ_by_layer_and_projection(tiny_src: Path) -> None:
     means = {}
     for k in (2, 5):
-        with safe_open(str(tiny_src / f"model-{k:05d}-of-00011.safetensors"), framework="numpy") as f:
+        with safe_open(str(tiny_src / f"model-{k:05d}-of-000011.safetensors"), framework="numpy") as f:
             for w in ("w1", "w2"):
                 s = np.concatenate(
                     [
@@ -215,10 +215,10 @@ def test_full_preset_is_the_real_96_shard_plan(tmp_path: Path) -> None:
     assert abs(index["metadata"]["total_size"] - 1_560_860_324_864) / 1_560_860_324_864 < 1e-4
 
 
-@pytest.mark.parametrize("preset", ["testmodel"])
+@pytest.mark.parametrize("preset", ["tiny-f32"])
 def test_unquantized_preset_has_plain_float_experts(tmp_path: Path, preset: str) -> None:
     synthesize(preset, tmp_path / preset)
-    got = _read(tmp_path / preset / "model-00002-of-00011.safetensors")
+    got = _read(tmp_path / preset / "model-00002-of-000011.safetensors")
     assert got[f"{LM}layers.1.block_sparse_moe.experts.3.w2.weight"] == ("F32", (LAT, FF_E))
     assert not any(re.search(r"weight_(packed|scale)$", n) for n in got)
     cfg = json.loads((tmp_path / preset / "config.json").read_text())

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import PER_LAYER
 from test_bad_input import _tensors, _write
 
 from k3lab.cli import main
@@ -67,7 +68,8 @@ def sentinel(tmp_path: Path) -> Callable[[], dict[str, str]]:
 
 
 def _convert(src: Path, out: Path, *extra: str) -> int:
-    return main(["convert", "--meta", str(src), "--out-dir", str(out), "--quiet", *extra])
+    """A layer per file (the folder remembers it: a later run without the flag keeps it)."""
+    return main(["convert", "--meta", str(src), "--out-dir", str(out), "--quiet", *PER_LAYER, *extra])
 
 
 def _outputs(out: Path) -> dict[str, bytes]:
@@ -167,7 +169,7 @@ def test_name_is_a_plain_basename(
     "entry",
     [
         "ABS",
-        "../model-00001-of-00011.safetensors",
+        "../model-00001-of-000011.safetensors",
         "a/../../x.safetensors",
         "x\x00.safetensors",
         "x\n.safetensors",
@@ -562,7 +564,7 @@ def test_a_worker_killed_by_the_os_is_one_line_and_finished_files_are_kept(
     synthesize("layer", src, seed=3, experts=4)  # seed 3 (plain random draws of this size take 40 s)
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        [*K3LAB, "convert", "--meta", str(src), "--out-dir", str(out), "--quiet", "--jobs", "2"],
+        [*K3LAB, "convert", "--meta", str(src), "--out-dir", str(out), "--quiet", "--jobs", "2", *PER_LAYER],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -120,7 +120,12 @@ def test_every_tensor_and_key_upstream_writes_is_in_k3labs_set(
     up = gguf.GGUFReader(theirs)
     if variant == "with grouped routing":
         assert up.fields["kimi-k3.expert_group_used_count"].contents() == 1
-    ours_files = [gguf.GGUFReader(p) for p in sorted((tmp_path / "out").glob("Kimi-K3-*-of-*.gguf"))]
+    _agree(up, sorted((tmp_path / "out").glob("Kimi-K3-*-of-*.gguf")))
+
+
+def _agree(up: gguf.GGUFReader, ours_paths: list[Path]) -> None:
+    """Every tensor upstream wrote (name, type, shape, bytes) and every key is in k3lab's set."""
+    ours_files = [gguf.GGUFReader(p) for p in ours_paths]
     ours = {t.name: t for r in ours_files for t in r.tensors}
 
     # every tensor: name, type, shape, bytes (exp may differ by an ulp between torch and numpy)
@@ -147,3 +152,24 @@ def test_every_tensor_and_key_upstream_writes_is_in_k3labs_set(
             np.testing.assert_allclose(got, want, rtol=1e-7, err_msg=key)
         else:
             assert got == want, (key, got, want)
+
+
+@pytest.mark.parametrize("layout", ["one-file", "by-size:600000"])
+def test_upstream_agrees_on_moonshots_checkpoints_as_transformers_saves_them(
+    judge: tuple[Path, Path], tiny_src: Path, tmp_path: Path, layout: str
+) -> None:
+    """Moonshot's own classes, saved by save_pretrained as one file or in size shards (a layer across
+    files): upstream's converter and k3lab's one file hold the same tensors and keys."""
+    import moonshot
+
+    from k3lab.synth.presets import tiny_config
+
+    python, vendor = judge
+    src = moonshot.save(
+        moonshot.build(tiny_config(), seed=7), tmp_path / "src", layout, tokenizer_from=tiny_src
+    )
+    assert convert(src, tmp_path / "out", per_layer=False) == 0
+    theirs = tmp_path / "upstream.gguf"
+    cmd = [str(python), "-c", LAUNCHER, str(vendor), str(src), "--outfile", str(theirs), "--outtype", "bf16"]
+    _run(cmd, timeout=1800, env={**os.environ, "PYTHONPATH": ""})
+    _agree(gguf.GGUFReader(theirs), sorted((tmp_path / "out").glob("*.gguf")))

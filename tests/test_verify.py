@@ -101,7 +101,7 @@ def test_changed_source_is_found_with_src(
 ) -> None:
     src = tmp_path / "src"
     shutil.copytree(tiny_src, src)
-    name = "model-00004-of-00011.safetensors"
+    name = "model-00004-of-000011.safetensors"
     data = bytearray((src / name).read_bytes())
     data[-3] ^= 0x01  # a bit of the last tensor of layer 3
     (src / name).write_bytes(bytes(data))

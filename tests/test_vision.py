@@ -130,7 +130,7 @@ def test_mmproj_recovers_every_vision_tensor(tiny_src: Path, tmp_path: Path) -> 
 def test_biases_that_are_present_are_converted(tiny_src: Path, tmp_path: Path) -> None:
     src = tmp_path / "src"
     shutil.copytree(tiny_src, src)
-    shard = src / "model-00011-of-00011.safetensors"
+    shard = src / "model-00011-of-000011.safetensors"
     ts = _tensors(shard)
     extra = {"vision_tower.encoder.blocks.1.wqkv.bias": 192, "vision_tower.encoder.blocks.0.wo.bias": 64}
     rng = np.random.default_rng(0)
@@ -151,7 +151,7 @@ def test_unknown_vision_tensor_is_an_error(
 ) -> None:
     src = tmp_path / "src"
     shutil.copytree(tiny_src, src)
-    shard = src / "model-00010-of-00011.safetensors"
+    shard = src / "model-00010-of-000011.safetensors"
     ts = _tensors(shard)
     ts.append(["mm_projector.mystery.weight", "BF16", (4,), b"\0" * 8])
     _write(shard, ts)

@@ -163,33 +163,34 @@ MODEL = Model(
 )
 
 
+FILE = "toy-weights.safetensors"
+
+
 def write_checkpoint(out: Path, seed: int = 0, hidden: int = 64, experts: int = 3) -> ToyConfig:
-    """A toy checkpoint: shard k holds layer k-1, the last the embeddings and final norm. Values
-    are plain random draws (MXFP4 bytes uniformly random, scales around 2^0)."""
+    """A toy checkpoint laid out unlike Kimi-K3's: ONE file holding every layer, the embeddings and
+    final norm first, and an index naming it (a name no transformers writes). Values are plain
+    random draws (MXFP4 bytes uniformly random, scales around 2^0)."""
     rng = np.random.default_rng(seed)
     cfg = ToyConfig.from_dict({"hidden": hidden, "layers": 2, "ffn": 96, "experts": experts, "vocab": 40})
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.raw))
-    units: list[int | None] = [0, 1, None]
-    weight_map = {}
-    for k, bid in enumerate(units, start=1):
-        name = f"model-{k:05d}-of-{len(units):05d}.safetensors"
-        specs = list(layout(cfg, bid).values())
-        blobs = []
-        for s in specs:
-            n = int(np.prod(s.shape))
-            if s.dtype == "U8":
-                hi = 256 if "packed" in s.name else 1
-                blobs.append(
-                    rng.integers(0, hi, n, dtype=np.uint8)
-                    + (0 if hi == 256 else 120 + rng.integers(0, 15, n, dtype=np.uint8))
-                )
-            elif s.dtype == "F32":
-                blobs.append(rng.normal(size=n).astype(np.float32))
-            else:
-                blobs.append((rng.normal(size=n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
-        header = build_header([(s.name, s.dtype, s.shape) for s in specs])
-        (out / name).write_bytes(header + b"".join(b.tobytes() for b in blobs))
-        weight_map |= {s.name: name for s in specs}
-    (out / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    specs = [s for bid in (None, 0, 1) for s in layout(cfg, bid).values()]
+    blobs = []
+    for s in specs:
+        n = int(np.prod(s.shape))
+        if s.dtype == "U8":
+            hi = 256 if "packed" in s.name else 1
+            blobs.append(
+                rng.integers(0, hi, n, dtype=np.uint8)
+                + (0 if hi == 256 else 120 + rng.integers(0, 15, n, dtype=np.uint8))
+            )
+        elif s.dtype == "F32":
+            blobs.append(rng.normal(size=n).astype(np.float32))
+        else:
+            blobs.append((rng.normal(size=n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
+    header = build_header([(s.name, s.dtype, s.shape) for s in specs])
+    (out / FILE).write_bytes(header + b"".join(b.tobytes() for b in blobs))
+    (out / INDEX).write_text(
+        json.dumps({"metadata": {}, "weight_map": dict.fromkeys((s.name for s in specs), FILE)})
+    )
     return cfg

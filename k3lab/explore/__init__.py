@@ -9,7 +9,7 @@ the same request as the CLI), ``layouts`` (01), ``scales`` (02, 03), ``vision`` 
 
 from __future__ import annotations
 
-from k3lab.explore.layouts import derive_tensor, planned_by_source, shard_rows
+from k3lab.explore.layouts import derive_tensor, first_mxfp4_layer, output_file, planned_by_source, shard_rows
 from k3lab.explore.opening import convert, fetched, open_checkpoint, open_conversion, source_spec
 from k3lab.explore.paths import HOME_ENV, home, resolve, save_result
 from k3lab.explore.scales import PROJ_NAMES, ScaleStats, expert_codes, first_block, scale_stats
@@ -26,11 +26,13 @@ __all__ = [
     "expert_codes",
     "fetched",
     "first_block",
+    "first_mxfp4_layer",
     "home",
     "html_table",
     "manifest_summary",
     "open_checkpoint",
     "open_conversion",
+    "output_file",
     "planned_by_source",
     "repo_summary",
     "resolve",

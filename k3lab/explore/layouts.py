@@ -7,9 +7,29 @@ from __future__ import annotations
 from typing import Any
 
 from k3lab.errors import K3LabError
-from k3lab.pipeline.planning.plan import Plan
+from k3lab.pipeline.planning.plan import Plan, PlannedFile
 from k3lab.pipeline.sources.base import Source
 from k3lab.pipeline.writing.single import plan_single
+
+
+def _number(value: Any, count: int, what: str) -> int:
+    """A 1-based number a notebook was given, checked as the CLI checks it (never wrapped around)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= count:
+        raise K3LabError(f"{what} {value!r}: give a number from 1 to {count}")
+    return value
+
+
+def output_file(plan: Plan, number: Any) -> PlannedFile:
+    """Output file ``number`` (1-based) of the plan; one line when there is no such file."""
+    return plan.file(_number(number, len(plan.files), "file"))
+
+
+def first_mxfp4_layer(plan: Plan, pf: PlannedFile) -> int | None:
+    """The first layer of ``pf`` whose routed experts are MXFP4 (the block a notebook draws), or None."""
+    for t in pf.tensors:
+        if t.transform == "mxfp4_stack" and t.layer is not None:
+            return t.layer
+    return None
 
 
 def planned_by_source(plan: Plan) -> dict[str, list[tuple[Any, Any]]]:
@@ -27,7 +47,7 @@ def shard_rows(plan: Plan, source: Source, shard: int, by_source: dict | None = 
     """One row per tensor of source shard ``shard`` (1-based): where it is, and what it becomes. Reads
     that shard's header only (the plan is made once: ``open_conversion``)."""
     files = source.files()
-    fname = files[shard - 1]
+    fname = files[_number(shard, len(files), "shard") - 1]
     entries = sorted(source.header(fname).values(), key=lambda e: e.start)
     mapped = by_source if by_source is not None else planned_by_source(plan)
     if not mapped.keys() & {e.name for e in entries}:
@@ -65,15 +85,16 @@ def derive_tensor(plan: Plan, source: Source, shard: int, name: str | None = Non
 
     import numpy as np
 
-    from k3lab.pipeline.writing.convert import Reader, tensor_pieces
+    from k3lab.pipeline.writing.convert import tensor_pieces, tensor_reader
 
-    pf = plan.file(shard)
+    pf = output_file(plan, shard)
     pt = next((t for t in pf.tensors if name in (None, t.name)), None)
     if pt is None:
         raise K3LabError(f"output file {shard}: no tensor {name}")
-    entries, _ = source.shard_header(pf.source_file)
+    reader = tensor_reader(source, pf, pt)
+    entries = reader.entries
     h, first, n = hashlib.sha256(), b"", 0
-    for piece in tensor_pieces(pt, Reader(source, entries)):
+    for piece in tensor_pieces(pt, reader):
         data = memoryview(np.ascontiguousarray(piece)).cast("B")
         first = first or bytes(data[:32])
         h.update(data)

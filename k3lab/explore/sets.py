@@ -49,7 +49,8 @@ def manifest_summary(out_dir: str | Path, model: Model | None = None) -> list[di
                     "tensors": len(f.tensors),
                     "bytes": f.nbytes,
                     "types": ", ".join(f"{k} {v}" for k, v in sorted(types.items())),
-                    "from": f.source_file,
+                    "from": ", ".join(f.source_names[:2])
+                    + (f" (+{len(f.sources) - 2})" if len(f.sources) > 2 else ""),
                 }
             )
     return sorted(rows, key=lambda r: (r["kind"] != "text", r["file"]))

@@ -62,6 +62,7 @@ NUMPY_DTYPE = {
 }
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 INDEX_NAME = "model.safetensors.index.json"  # a sharded checkpoint's index: tensor name -> shard file
+SINGLE_NAME = "model.safetensors"  # a checkpoint saved whole (transformers below its shard size): no index
 INDEX_LIMIT = 512 * 1024 * 1024  # the real index is ~40 MB
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -91,29 +92,36 @@ def check_shard_name(name: str, where: str) -> None:
         )
 
 
-def read_index(*dirs: str | Path) -> tuple[Path, dict[str, str]]:
-    """The first ``model.safetensors.index.json`` found in ``dirs``: (its path, weight_map)."""
+def find_index(*dirs: str | Path) -> Path | None:
+    """The first ``model.safetensors.index.json`` in ``dirs`` (None: the checkpoint has no index)."""
     for d in dirs:
         path = Path(d) / INDEX_NAME
         if path.exists() or path.is_symlink():
-            index = read_json(path, INDEX_LIMIT, "safetensors index")
-            try:
-                weight_map = index["weight_map"]
-                if not isinstance(weight_map, dict):
-                    raise TypeError("weight_map is not an object")
-                if not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-                    raise TypeError("weight_map maps tensor names to file names (strings)")
-            except (KeyError, TypeError) as e:
-                raise SafetensorsError(f"{path}: not a safetensors index ({type(e).__name__}: {e})") from None
-            files: dict[str, str] = {}  # one string object per file name: 500k entries share 96
-            for name, file in weight_map.items():
-                if file not in files:
-                    check_shard_name(file, f"{path}: tensor {name}")
-                    files[file] = file
-                if _CONTROL.search(name):
-                    raise SafetensorsError(f"{path}: tensor name {name!r} holds a control character")
-            return path, {k: files[v] for k, v in weight_map.items()}
-    raise SafetensorsError(f"{INDEX_NAME} not found in {', '.join(str(d) for d in dirs)}")
+            return path
+    return None
+
+
+def read_index(path: str | Path) -> dict[str, str]:
+    """An index's weight_map (tensor name -> file), every entry checked: file names are relative
+    ``.safetensors`` paths inside the checkpoint, tensor names hold no control characters."""
+    path = Path(path)
+    index = read_json(path, INDEX_LIMIT, "safetensors index")
+    try:
+        weight_map = index["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise TypeError("weight_map maps tensor names to file names (strings)")
+    except (KeyError, TypeError) as e:
+        raise SafetensorsError(f"{path}: not a safetensors index ({type(e).__name__}: {e})") from None
+    files: dict[str, str] = {}  # one string object per file name: 500k entries share 96
+    for name, file in weight_map.items():
+        if file not in files:
+            check_shard_name(file, f"{path}: tensor {name}")
+            files[file] = file
+        if _CONTROL.search(name):
+            raise SafetensorsError(f"{path}: tensor name {name!r} holds a control character")
+    return {k: files[v] for k, v in weight_map.items()}
 
 
 class TensorEntry(NamedTuple):

@@ -1,16 +1,25 @@
-"""Which tensors a Kimi-K3 checkpoint holds, with dtype and shape, shard by shard, from its config.
+"""Which tensors a Kimi-K3 checkpoint holds, with dtype and shape, unit by unit, from its config.
 
-The planner checks every source tensor against this (a header whose shape disagrees with the config
-is one error before anything is written) and ``k3lab synth`` writes checkpoints from it.
+The planner checks every source tensor against this (a header whose shape or dtype disagrees with
+the config is one error before anything is written) and ``k3lab synth`` writes checkpoints from it.
+Which file holds a tensor is not the model's business: the planner reads it from the index.
 
-This is the published layout: shard k (1..n_layer) holds exactly layer k-1; shard n_layer+1 the
-embeddings, lm_head, final norm and output AttnRes pair; then one shard of ``mm_projector`` and
-one of ``vision_tower``. Routed experts are compressed-tensors MXFP4 (``weight_packed`` +
-``weight_scale``) when the config has a quantization_config, plain ``weight`` otherwise.
+A tensor's float type is the one config.json declares (``torch_dtype``/``dtype``: BF16 for Kimi-K3,
+F32 for the published 0.40B test model; F16 in a re-save), and the few Moonshot keeps in F32
+(``A_log``, ``dt_bias``, the router's bias) may be F32 or that type. Routed experts are
+compressed-tensors MXFP4 (``weight_packed`` + ``weight_scale``, U8) or plain ``weight``: a checkpoint
+with a quantization_config may hold either (the headers say which), one without holds plain ones.
+
+Facts for messages and for ``k3lab synth``: Moonshot's repo holds layer k-1 in shard k of 96
+(``model-000NN-of-000096.safetensors``), the embeddings, lm_head, final norm and output AttnRes pair
+in shard 94, ``mm_projector`` in 95 and ``vision_tower`` in 96; transformers' ``save_pretrained``
+writes the tensors in module order (``save_order``) into size-based shards, or one
+``model.safetensors`` below its shard size.
 """
 
 from __future__ import annotations
 
+from k3lab.errors import K3LabError
 from k3lab.kimi_k3.config import K3Config
 from k3lab.kimi_k3.rules import TEXT_PREFIX
 from k3lab.pipeline.model import TensorSpec
@@ -18,7 +27,20 @@ from k3lab.pipeline.model import TensorSpec
 LM = TEXT_PREFIX
 
 
-def _text_layer(cfg: K3Config, i: int, float_dtype: str) -> list[TensorSpec]:
+DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+MOONSHOT_SHARDS = 96  # the real repo's file count (its names have five digits of six)
+
+
+def declared_dtype(cfg: K3Config) -> str | None:
+    """The float type config.json declares for the tensors (``text_config``'s, else the top level's)."""
+    for d in (cfg.text, cfg.raw):
+        for key in ("torch_dtype", "dtype"):
+            if d.get(key) in DTYPES:
+                return DTYPES[d[key]]
+    return None
+
+
+def _text_layer(cfg: K3Config, i: int, float_dtype: str, experts: str = "config") -> list[TensorSpec]:
     t = cfg.text
     H, f = cfg.n_embd, float_dtype
     p = f"{LM}model.layers.{i}."
@@ -88,15 +110,17 @@ def _text_layer(cfg: K3Config, i: int, float_dtype: str) -> list[TensorSpec]:
         if t.get("latent_moe_use_norm", True):
             specs.append(TensorSpec(m + "routed_expert_norm.weight", f, (L,), "norm"))
     shapes = {"w1": (ff, L), "w2": (L, ff), "w3": (ff, L)}
+    if experts == "config":
+        experts = "mxfp4" if cfg.is_mxfp4 else "plain"
     for e in range(E):
         for w, (rows, cols) in shapes.items():
             base = f"{m}experts.{e}.{w}."
-            if cfg.is_mxfp4:
+            if experts in ("mxfp4", "both"):
                 specs += [
                     TensorSpec(base + "weight_packed", "U8", (rows, cols // 2), "mxfp4_packed"),
                     TensorSpec(base + "weight_scale", "U8", (rows, cols // 32), "mxfp4_scale"),
                 ]
-            else:
+            if experts in ("plain", "both"):
                 specs.append(TensorSpec(base + "weight", f, (rows, cols), "linear"))
     return specs
 
@@ -156,7 +180,7 @@ def _vision_shard(cfg: K3Config, f: str) -> list[TensorSpec]:
 
 
 def checkpoint_layout(cfg: K3Config) -> list[list[TensorSpec]]:
-    """The tensors of each source shard, in shard order (index 0 is shard 1)."""
+    """The tensors of each of Moonshot's shards, in shard order (index 0 is shard 1)."""
     f = source_dtype(cfg)
     shards = [_text_layer(cfg, i, f) for i in range(cfg.n_layer)]
     shards.append(_output_shard(cfg, f))
@@ -165,16 +189,72 @@ def checkpoint_layout(cfg: K3Config) -> list[list[TensorSpec]]:
     return shards
 
 
+# where transformers' module order puts a tensor of a decoder layer: a module's own parameters
+# (A_log, dt_bias) before its submodules, attention before the FFN before the norms
+_LAYER_ORDER = (
+    "self_attn.A_log", "self_attn.dt_bias", "self_attn.", "block_sparse_moe.experts.", "block_sparse_moe.gate.",
+    "block_sparse_moe.", "mlp.", "input_layernorm", "post_attention_layernorm", "self_attention_res_norm",
+    "mlp_res_norm", "self_attention_res_proj", "mlp_res_proj",
+)  # fmt: skip
+
+
+def save_order(cfg: K3Config) -> list[TensorSpec]:
+    """Every tensor in the order transformers' ``save_pretrained`` writes them (the module order of
+    ``KimiK3ForConditionalGeneration``: the vision tower, the projector, then the text model's
+    embeddings, layers, final norm and output AttnRes pair, and lm_head): what size-based shards cut."""
+    f = source_dtype(cfg)
+    out = (_vision_shard(cfg, f) + _projector_shard(cfg, f)) if cfg.vision else []
+    output = _output_shard(cfg, f)
+    out += [s for s in output if "embed_tokens" in s.name]
+    for i in range(cfg.n_layer):
+        prefix = f"{LM}model.layers.{i}."
+
+        def rank(spec: TensorSpec, prefix: str = prefix) -> int:
+            rest = spec.name[len(prefix) :]
+            return next(k for k, p in enumerate(_LAYER_ORDER) if rest.startswith(p))
+
+        out += sorted(_text_layer(cfg, i, f), key=rank)  # (stable: experts stay in order)
+    out += [s for s in output if "embed_tokens" not in s.name and "lm_head" not in s.name]
+    return out + [s for s in output if "lm_head" in s.name]
+
+
 def source_dtype(cfg: K3Config) -> str:
-    return "F32" if cfg.raw.get("dtype") == "float32" else "BF16"
+    """The float type synthetic tensors are written in: the declared one, else BF16."""
+    return declared_dtype(cfg) or "BF16"
+
+
+def _accepting(specs: list[TensorSpec], declared: str | None) -> dict[str, TensorSpec]:
+    """The specs as a checkpoint is checked against them: floats in the declared type (the few
+    Moonshot keeps in F32 may be either); any float type when the config declares none."""
+    out = {}
+    for s in specs:
+        if s.dtype in ("BF16", "F16", "F32") and declared is not None:
+            pinned = s.kind in ("a_log", "dt_bias", "router_bias")
+            s = TensorSpec(s.name, s.dtype, s.shape, s.kind, (declared, "F32") if pinned else (declared,))
+        out[s.name] = s
+    return out
 
 
 def unit_layout(cfg: K3Config, bid: int | None) -> dict[str, TensorSpec]:
     """The source tensors of one unit of the text model (layer ``bid``, or None: the output
-    tensors), by name: what the config says each must be."""
+    tensors), by name: what the config says each must be (experts in either form the config allows)."""
     f = source_dtype(cfg)
-    specs = _text_layer(cfg, bid, f) if bid is not None else _output_shard(cfg, f)
-    return {s.name: s for s in specs}
+    experts = "both" if cfg.is_mxfp4 else "plain"
+    specs = _text_layer(cfg, bid, f, experts) if bid is not None else _output_shard(cfg, f)
+    return _accepting(specs, declared_dtype(cfg))
+
+
+def check_formats(cfg: K3Config, weight_map: dict[str, str]) -> None:
+    """MXFP4-packed experts are only read as MXFP4 under a compressed-tensors quantization_config
+    (its group size and scale type say what the bytes are); without one they are one line."""
+    if cfg.is_mxfp4:
+        return
+    packed = next((n for n in weight_map if n.endswith((".weight_packed", ".weight_scale"))), None)
+    if packed is not None:
+        raise K3LabError(
+            f"{weight_map[packed]}: tensor {packed} is MXFP4-packed, but {cfg.path} has no "
+            "quantization_config to say how its bytes read"
+        )
 
 
 def vision_layout(cfg: K3Config) -> dict[str, TensorSpec]:
@@ -183,5 +263,6 @@ def vision_layout(cfg: K3Config) -> dict[str, TensorSpec]:
     return {s.name: s for s in (*_projector_shard(cfg, f), *_vision_shard(cfg, f))}
 
 
-def shard_filename(k: int, n: int) -> str:
-    return f"model-{k:05d}-of-{n:05d}.safetensors"
+def shard_filename(k: int, n: int, moonshot: bool = False) -> str:
+    """transformers' shard names (five digits each); Moonshot's repo writes its count in six."""
+    return f"model-{k:05d}-of-{n:06d}.safetensors" if moonshot else f"model-{k:05d}-of-{n:05d}.safetensors"

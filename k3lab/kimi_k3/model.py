@@ -8,15 +8,16 @@ from k3lab.formats.safetensors import INDEX_NAME
 from k3lab.kimi_k3.config import K3Config
 from k3lab.kimi_k3.front import FRONT
 from k3lab.kimi_k3.keys import ARCH, file_kvs, tokenizer_kvs
-from k3lab.kimi_k3.layout import unit_layout
+from k3lab.kimi_k3.layout import check_formats, unit_layout
 from k3lab.kimi_k3.mmproj import MMPROJ
 from k3lab.kimi_k3.rules import RULES, TEXT_PREFIX, config_tags, layer_of, unit_tags
 from k3lab.kimi_k3.transforms import TRANSFORMS
 from k3lab.pipeline.model import Model
 
-# the metadata files a conversion is planned from (their bytes are part of the plan's digest)
-META_FILES = ("config.json", INDEX_NAME, "tiktoken.model", "tokenizer_config.json")
-OPTIONAL_META = ("chat_template.jinja", "preprocessor_config.json")
+# the metadata files a conversion is planned from (their bytes are part of the plan's digest); a
+# checkpoint saved whole (one model.safetensors) has no index
+META_FILES = ("config.json", "tiktoken.model", "tokenizer_config.json")
+OPTIONAL_META = (INDEX_NAME, "chat_template.jinja", "preprocessor_config.json")
 
 MODEL = Model(
     name=ARCH,
@@ -38,4 +39,5 @@ MODEL = Model(
     single=MMPROJ,
     other_prefixes=MMPROJ.prefixes,
     front=FRONT,
+    check_source=check_formats,
 )

@@ -47,13 +47,18 @@ class Weights:
         base = f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}."
         key = LM + base + "dequantised"
         if key not in self._cache:
-            if self.cfg.is_mxfp4:
+            if self.packed(layer, e, w):
                 packed = self.source.array(LM + base + "weight_packed")
                 scale = self.source.array(LM + base + "weight_scale")
                 self._cache[key] = mxfp4.decode_compressed_tensors(packed, scale)
             else:
                 self._cache[key] = self(base + "weight")
         return self._cache[key]
+
+    def packed(self, layer: int, e: int, w: str) -> bool:
+        """Whether the checkpoint holds this expert MXFP4-packed (read from the index, not the config)."""
+        base = f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}."
+        return LM + base + "weight_packed" in self.source.weight_map
 
 
 def round_bf16(x: np.ndarray) -> np.ndarray:
@@ -163,7 +168,7 @@ class Reference:
     def expert(self, layer: int, e: int, w: str, x: np.ndarray) -> np.ndarray:
         kind = (
             "q8"
-            if self.cfg.is_mxfp4
+            if self.w.packed(layer, e, w)
             else self.types.get(LM + f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight", "f32")
         )
         return self.w.expert(layer, e, w) @ self.act(x, kind)

@@ -51,7 +51,8 @@ def unit_tags(cfg: K3Config, bid: int | None) -> frozenset[str]:
 
 
 def config_tags(cfg: K3Config) -> frozenset[str]:
-    """What the checkpoint is: MXFP4 or float experts, with or without AttnRes."""
+    """What the config says the checkpoint may be: MXFP4 experts (a quantization_config; the
+    headers say whether they are), with or without AttnRes."""
     tags = {QUANTIZED if cfg.is_mxfp4 else FLOAT}
     if cfg["attn_res_block_size"]:
         tags.add(ATTN_RES)
@@ -185,14 +186,16 @@ RULES: tuple[Rule, ...] = (
         QUANTIZED,
         "w3 = up",
     ),
+    # plain experts (an unquantized checkpoint, or a re-save that dequantised them): the headers say
+    # which form a checkpoint holds, not the config (the planner takes the variant whose sources it has)
     _text(
         "blk.{bid}.ffn_gate_exps.weight",
         (M + "experts.{e}.w1.weight",),
         "stack",
         "keep",
         MOE,
-        FLOAT,
-        "w1 = gate",
+        ANY,
+        "w1 = gate; plain experts",
     ),
     _text(
         "blk.{bid}.ffn_down_exps.weight",
@@ -200,14 +203,19 @@ RULES: tuple[Rule, ...] = (
         "stack",
         "keep",
         MOE,
-        FLOAT,
-        "w2 = down",
+        ANY,
+        "w2 = down; plain experts",
     ),
     _text(
-        "blk.{bid}.ffn_up_exps.weight", (M + "experts.{e}.w3.weight",), "stack", "keep", MOE, FLOAT, "w3 = up"
+        "blk.{bid}.ffn_up_exps.weight",
+        (M + "experts.{e}.w3.weight",),
+        "stack",
+        "keep",
+        MOE,
+        ANY,
+        "w3 = up; plain experts",
     ),
 )
-
 
 # a saved plan names rules by position: it is only reused by the same table
 RULES_DIGEST = rules_digest(RULES)

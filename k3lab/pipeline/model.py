@@ -45,12 +45,15 @@ class ModelConfig(Protocol):
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """What the config says one source tensor is (``kind``: how synthetic values are drawn)."""
+    """What the config says one source tensor is (``kind``: how synthetic values are drawn;
+    ``accepts``: the dtypes a checkpoint may hold it in, none given: ``dtype`` if it is not a float
+    type, else any float type)."""
 
     name: str
     dtype: str  # safetensors dtype: BF16, F32, U8
     shape: tuple[int, ...]
     kind: str = ""
+    accepts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,9 @@ class Model:
     single: SingleFileModel | None = None
     other_prefixes: tuple[str, ...] = field(default=())  # source tensors of other outputs
     front: Front | None = None  # what the front needs (the card, TENSOR_MAP.md, the demo)
+    # (config, tensor name -> file) -> None, or one line when the checkpoint's tensors cannot be what
+    # the config says (Kimi-K3: MXFP4-packed experts without a quantization_config)
+    check_source: Callable[[Any, dict[str, str]], None] | None = None
 
     @property
     def rules_digest(self) -> str:

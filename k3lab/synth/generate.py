@@ -28,14 +28,22 @@ from pathlib import Path
 
 import numpy as np
 
+from k3lab.errors import K3LabError
 from k3lab.formats import mxfp4
 from k3lab.formats.numerics import f32_to_bf16_bits
-from k3lab.formats.safetensors import NUMPY_DTYPE, build_header, data_size
+from k3lab.formats.safetensors import (
+    DTYPE_SIZE,
+    INDEX_NAME,
+    NUMPY_DTYPE,
+    SINGLE_NAME,
+    build_header,
+    data_size,
+)
 from k3lab.kimi_k3.config import K3Config
-from k3lab.kimi_k3.layout import TensorSpec, checkpoint_layout, shard_filename
+from k3lab.kimi_k3.layout import TensorSpec, checkpoint_layout, save_order, shard_filename
 
 from . import bpe
-from .presets import N_SPECIAL, PRESETS
+from .presets import N_SPECIAL, PRESET_LAYOUT, PRESETS
 
 # how often each E2M1 magnitude index 0..7 appears in a quantised Gaussian block (out of 256)
 _CODE_WEIGHTS = np.array([40, 62, 52, 36, 26, 22, 12, 6])
@@ -275,17 +283,72 @@ class SynthResult:
     n_tensors: int
     data_bytes: int  # logical size of all tensor data
     disk_bytes: int  # real blocks used (sparse for the full preset)
+    layout: str = "moonshot"
+    files: tuple[str, ...] = ()
 
 
 def _disk_usage(root: Path) -> int:
     return sum(p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
 
 
+LAYOUTS = ("moonshot", "one-file", "by-size:BYTES")
+
+
+def parse_layout(layout: str) -> tuple[str, int]:
+    """``moonshot``, ``one-file`` or ``by-size:BYTES`` (``by-size:5000000000``: transformers'
+    default shard size, 5 GB); the size is 0 for the first two."""
+    if layout in ("moonshot", "one-file"):
+        return layout, 0
+    kind, _, size = layout.partition(":")
+    if kind == "by-size" and size.isascii() and size.isdigit() and 0 < int(size) <= 10**15:
+        return kind, int(size)
+    raise K3LabError(
+        f"--layout {layout!r}: give moonshot, one-file or by-size:BYTES (e.g. by-size:5000000000)"
+    )
+
+
+def file_groups(cfg: K3Config, layout: str) -> list[tuple[str, list[TensorSpec]]]:
+    """The checkpoint's files and the tensors each holds, in data order, as the layout writes them:
+    Moonshot's (a layer per shard, six-digit counts), transformers' ``save_pretrained`` whole (one
+    ``model.safetensors``), or in size-based shards (module order, a new shard when the next tensor
+    would pass the size; a tensor larger than it alone), each file's data in the safetensors
+    library's order (by dtype size, then name): so a layer spreads over files, as it does in a re-save."""
+    kind, size = parse_layout(layout)
+    if kind == "moonshot":
+        shards = checkpoint_layout(cfg)
+        return [(shard_filename(k, len(shards), moonshot=True), specs) for k, specs in enumerate(shards, 1)]
+    order = save_order(cfg)
+    if kind == "one-file":
+        return [(SINGLE_NAME, _safetensors_order(order))]
+    groups: list[list[TensorSpec]] = []
+    used = 0
+    for spec in order:
+        n = int(np.prod(spec.shape)) * DTYPE_SIZE[spec.dtype]
+        if not groups or (used + n > size and groups[-1]):
+            groups.append([])
+            used = 0
+        groups[-1].append(spec)
+        used += n
+    return [(shard_filename(k, len(groups)), _safetensors_order(g)) for k, g in enumerate(groups, 1)]
+
+
+def _safetensors_order(specs: list[TensorSpec]) -> list[TensorSpec]:
+    """The data order the safetensors library writes a file in: larger dtypes first, then by name."""
+    return sorted(specs, key=lambda s: (-DTYPE_SIZE[s.dtype], s.name))
+
+
 def synthesize(
-    preset: str, out: str | os.PathLike, seed: int = 0, experts: int | None = None, draw: str = "trained"
+    preset: str,
+    out: str | os.PathLike,
+    seed: int = 0,
+    experts: int | None = None,
+    draw: str = "trained",
+    layout: str | None = None,
 ) -> SynthResult:
-    """Write the `preset` checkpoint to `out`, values drawn as `draw` says. The `full` preset writes
-    headers and leaves data as holes."""
+    """Write the `preset` checkpoint to `out`, values drawn as `draw` says, its files as ``layout``
+    says (``LAYOUTS``; default: the preset's, ``PRESET_LAYOUT``). The `full` preset writes headers and
+    leaves data as holes."""
+    layout = layout or PRESET_LAYOUT.get(preset, "moonshot")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     if draw not in DRAWS:
@@ -296,15 +359,14 @@ def synthesize(
         t["num_experts"] = experts
         t["num_experts_per_token"] = min(t["num_experts_per_token"], experts)
     cfg = K3Config.from_dict(raw)
+    groups = file_groups(cfg, layout)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
     sparse = preset == "full"
-    shards = checkpoint_layout(cfg)
     weight_map: dict[str, str] = {}
     total = 0
-    for k, specs in enumerate(shards, start=1):
-        fname = shard_filename(k, len(shards))
+    for fname, specs in groups:
         entries = [(s.name, s.dtype, s.shape) for s in specs]
         header = build_header(entries)
         size = data_size(entries)
@@ -317,8 +379,9 @@ def synthesize(
                     fh.write(np.ascontiguousarray(tensor_values(spec, seed, draw)).tobytes())
         weight_map.update({s.name: fname for s in specs})
         total += size
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     write_tokenizer_files(out, cfg, seed)
     if cfg.vision:
         pre = {
@@ -330,4 +393,5 @@ def synthesize(
             "image_processor_type": "KimiK25VisionProcessor",
         }
         (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2) + "\n", encoding="utf-8")
-    return SynthResult(out, preset, len(shards), len(weight_map), total, _disk_usage(out))
+    files = tuple(f for f, _ in groups)
+    return SynthResult(out, preset, len(groups), len(weight_map), total, _disk_usage(out), layout, files)

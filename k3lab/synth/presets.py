@@ -1,9 +1,11 @@
 """Configs of the synthetic checkpoints: the real Kimi-K3 config, and small ones shaped like it.
 
 Every preset carries every key of the real ``text_config`` / ``vision_config`` /
-``quantization_config``; only sizes change. ``testmodel`` mirrors the published unquantized
-test model (inference-optimization/Kimi-K3-0.40B): float32, no quantization_config, no
-gate_lower_bound, rope keys present.
+``quantization_config``; only sizes change. ``testmodel`` is the published unquantized test model
+(inference-optimization/Kimi-K3-0.40B: its config as the facts file records it, float32, plain
+experts, no gate_lower_bound, rope keys present, a 163,840-id vocabulary, ~1.6 GB in one
+``model.safetensors``); ``tiny-f32`` is that shape (float32, plain experts, no gate_lower_bound,
+head_dim 74) at tiny's size, for quick checks of the unquantized path.
 """
 
 from __future__ import annotations
@@ -249,7 +251,63 @@ def tiny_config() -> dict[str, Any]:
 
 
 def testmodel_config() -> dict[str, Any]:
-    """Shaped like inference-optimization/Kimi-K3-0.40B (unquantized float32), at small size."""
+    """inference-optimization/Kimi-K3-0.40B's config.json (the facts file's record of it)."""
+    cfg = real_config()
+    t, vis = cfg["text_config"], cfg["vision_config"]
+    del t["quantization_config"]
+    del t["linear_attn_config"]["gate_lower_bound"]
+    t.update(
+        {
+            "hidden_size": 1024,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "head_dim": 74,
+            "vocab_size": 163840,
+            "max_position_embeddings": 4096,
+            "attn_res_block_size": 4,
+            "q_lora_rank": 256,
+            "kv_lora_rank": 128,
+            "qk_nope_head_dim": 64,
+            "qk_rope_head_dim": 32,
+            "v_head_dim": 64,
+            "num_experts": 8,
+            "num_experts_per_token": 2,
+            "num_shared_experts": 1,
+            "moe_intermediate_size": 256,
+            "routed_expert_hidden_size": 512,
+            "first_k_dense_replace": 1,
+            "rope_theta": 10000.0,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "pad_token_id": 0,
+            "torch_dtype": "float32",
+        }
+    )
+    t["linear_attn_config"].update(
+        {"full_attn_layers": [4, 8], "kda_layers": [1, 2, 3, 5, 6, 7], "num_heads": 8, "head_dim": 32}
+    )
+    vis.update(
+        {
+            "vt_num_hidden_layers": 2,
+            "vt_hidden_size": 256,
+            "vt_intermediate_size": 512,
+            "vt_num_attention_heads": 4,
+            "qkv_hidden_size": 1536,
+            "mm_hidden_size": 256,
+            "text_hidden_size": 1024,
+        }
+    )
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        del cfg[key]
+    cfg["dtype"] = "float32"
+    return cfg
+
+
+def tiny_f32_config() -> dict[str, Any]:
+    """The 0.40B's shape (unquantized float32, plain experts, no gate_lower_bound) at tiny's size."""
     cfg = tiny_config()
     cfg["text_config"]["num_shared_experts"] = 1
     t = cfg["text_config"]
@@ -297,7 +355,9 @@ def layer_config(layers: int = 2) -> dict[str, Any]:
 
 PRESETS = {
     "tiny": tiny_config,
+    "tiny-f32": tiny_f32_config,
     "testmodel": testmodel_config,
     "layer": layer_config,
     "full": real_config,
 }
+PRESET_LAYOUT = {"testmodel": "one-file"}  # as it is published; the others as Moonshot ships K3

@@ -111,17 +111,19 @@ def verify_repo(
     report = Report()
     sets = split_sets(sorted(files.sizes))
     if not sets:
-        raise K3LabError(
-            f"{files.repo}@{files.commit[:12]}: holds no GGUF split set (NAME-00001-of-0000N.gguf)"
-        )
+        raise K3LabError(f"{files.repo}@{files.commit[:12]}: holds no GGUF file")
     manifest = _manifest(files)
     recorded = {r.file: r for r in manifest.records} if manifest else {}
     plan = _plan(model, source, recorded) if source is not None else None
+    texts = 0
     for base, names in sorted(sets.items()):
         headers = [read_header(n, files.sizes[n], files.fetch) for n in names]
-        _check_structure(base, headers, report)
-        if plan is not None:
-            _check_plan(plan, headers, report)
+        beside = len(headers) == 1 and _beside_the_set(headers[0])
+        if not beside:  # a text model's set: its structure, and with a source its plan
+            texts += 1
+            _check_structure(base, headers, report)
+            if plan is not None:
+                _check_plan(plan, headers, report)
         for h in headers:
             rec = recorded.get(h.file)
             if rec is not None and rec.header_sha256 != h.header_sha256:
@@ -131,7 +133,9 @@ def verify_repo(
                     f"{h.file}: header (metadata and tensor infos) differs from the manifest",
                 )
             report.files += 1
-        _check_bytes(files, headers, choice, recorded, plan, source, report, say)
+        _check_bytes(files, headers, choice, recorded, None if beside else plan, source, report, say)
+    if not texts:
+        raise K3LabError(f"{files.repo}@{files.commit[:12]}: holds no GGUF set of a text model")
     if not recorded and plan is None and (choice.every or choice.sample or choice.tensors):
         report.add(
             "set",
@@ -139,6 +143,11 @@ def verify_repo(
             f"{files.repo}: no {MANIFEST_NAME} and no source given: tensor bytes were read but not compared",
         )
     return report
+
+
+def _beside_the_set(h: Header) -> bool:
+    """A file that goes beside a text model's set: an mmproj (``clip``) or a tokenizer (no tensors)."""
+    return h.fields.get("general.architecture") == "clip" or not h.tensors
 
 
 def _manifest(files: RepoFiles) -> Manifest | None:
@@ -229,10 +238,14 @@ def _check_bytes(
                         "rederive",
                         h.file,
                         f"{h.file}: tensor {name}: re-derived from the source, SHA-256 differs "
-                        f"(source {planned[name][0].source_file}: {planned[name][1].sources[0]})",
+                        f"(source {_first_source(*planned[name])}: {planned[name][1].sources[0]})",
                     )
             if say is not None:
                 say(t)
+
+
+def _first_source(pf: Any, pt: Any) -> str:
+    return pf.sources[pt.files[0]].file if pt.files else "?"
 
 
 def _hash(pieces: Any) -> str:
@@ -244,13 +257,12 @@ def _hash(pieces: Any) -> str:
 
 def _derive(planned: tuple[Any, Any], source: Any) -> str:
     """The tensor made again from the source's bytes (read by ranges), by the converter's streams."""
-    from k3lab.pipeline.writing.convert import Reader
     from k3lab.pipeline.writing.convert import tensor_pieces as derived_pieces
+    from k3lab.pipeline.writing.convert import tensor_reader
 
     pf, pt = planned
-    entries, _ = source.shard_header(pf.source_file)
     h = hashlib.sha256()
-    for piece in derived_pieces(pt, Reader(source, entries)):
+    for piece in derived_pieces(pt, tensor_reader(source, pf, pt)):
         h.update(memoryview(np.ascontiguousarray(piece)).cast("B"))
     return h.hexdigest()
 

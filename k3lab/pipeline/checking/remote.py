@@ -89,10 +89,14 @@ def tensor_pieces(t: Tensor, fetch: Fetch, piece: int = PIECE) -> Iterator[bytes
 
 
 def split_sets(names: list[str]) -> dict[str, list[str]]:
-    """The split sets among a repo's files: ``BASE`` (name and type label) -> its files by number."""
+    """The GGUF sets among a repo's files: a split set's ``BASE`` (name and type label) -> its files
+    by number; any other ``.gguf`` is a set of one, under its own name (a set of one file, as
+    upstream's converter names it, or a file beside a set: which, its header says)."""
     sets: dict[str, dict[int, str]] = {}
     for n in names:
         m = SPLIT.fullmatch(n)
         if m:
             sets.setdefault(m["base"], {})[int(m["no"])] = n
+        elif n.endswith(".gguf") and "/" not in n:
+            sets.setdefault(n, {})[1] = n
     return {base: [files[k] for k in sorted(files)] for base, files in sets.items()}

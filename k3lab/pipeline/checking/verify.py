@@ -160,7 +160,9 @@ def verify(
         report.found += found
         if found and found[0].kind in WHOLE_FILE:
             continue
-        want = {SPLIT_NO: rec.number - 1, SPLIT_COUNT: count, SPLIT_TENSORS: n_tensors}
+        # a set of one file carries no split keys (as upstream's converter writes one)
+        want = {SPLIT_NO: rec.number - 1, SPLIT_COUNT: count, SPLIT_TENSORS: n_tensors} if count > 1 else {}
+        want = want or dict.fromkeys((SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS))
         for key, value in want.items():
             if fields.get(key) != value:
                 report.add("split", rec.file, f"{rec.file}: {key} is {fields.get(key)}, expected {value}")
@@ -240,7 +242,7 @@ def _rederive(
     shard in turn, converts nothing, and deletes it); compare hashes, types and shapes. A file whose
     record was made from other inputs (another config, tokenizer or template) is reported stale."""
     from k3lab.pipeline.planning.planner import build_plan
-    from k3lab.pipeline.writing.convert import Reader, tensor_pieces
+    from k3lab.pipeline.writing.convert import PlannedInputs, tensor_pieces
 
     if not records:
         return
@@ -248,14 +250,12 @@ def _rederive(
     options = saved.inputs.get("options", {}) if saved is not None else {}
     source = open_source(spec, fresh=True)
     source.fetch_meta()
-    plan = build_plan(  # every source tensor checked against the config, as converting does
-        model,
-        model.load_config(Path(spec.meta_dir)),
-        source,
-        records[0].outtype,
-        records[0].basename,
-        options.get("chat_template"),
-    )
+    cfg = model.load_config(Path(spec.meta_dir))
+    args = (model, cfg, source, records[0].outtype, records[0].basename, options.get("chat_template"))
+    plan = build_plan(*args, split=saved.split if saved is not None else None)
+    groups = records_split(plan, records)  # (a set without its folder's plan: split as its files are)
+    if groups is not None and saved is None:
+        plan = build_plan(*args, split=groups)
     bar = tqdm(
         total=sum(plan.file(r.number).source_bytes for r in records if r.number <= len(plan.files)),
         unit="B",
@@ -265,56 +265,78 @@ def _rederive(
         disable=True if quiet else None,
         dynamic_ncols=True,
     )
+    report_bytes = TaskReport(emit=lambda m: bar.update(m[2]))
     try:
+        chosen = [r for r in records if 1 <= r.number <= len(plan.files)]
         for rec in records:
-            if not 1 <= rec.number <= len(plan.files):
+            if rec not in chosen:
                 report.add("stale", rec.file, f"{rec.file}: the source plans only {len(plan.files)} files")
-                continue
+        for k, rec in enumerate(chosen):
             pf = plan.file(rec.number)
-            if rec.plan_digest != pf.digest and not _same_shard_elsewhere(plan, pf, rec):
-                what = "metadata, tensors or source shard" if pf.number == 1 else "tensors or source shard"
+            if rec.plan_digest != pf.digest and not _same_files_elsewhere(plan, pf, rec):
+                what = "metadata, tensors or source files" if pf.number == 1 else "tensors or source files"
                 report.add(
                     "stale",
                     rec.file,
                     f"{rec.file}: stale: made from other inputs than {spec.describe()} ({what} differ); convert again",
                 )
-            source.acquire(pf.source_file)
+            then = tuple(plan.file(chosen[k + 1].number).source_names) if k + 1 < len(chosen) else ()
+            inputs = PlannedInputs(source, pf, report_bytes, then=then)
             try:
-                entries, _ = source.shard_header(pf.source_file)
-                _compare(
-                    rec,
-                    pf,
-                    Reader(source, entries, TaskReport(emit=lambda m: bar.update(m[2]))),
-                    report,
-                    tensor_pieces,
-                )
+                _compare(rec, pf, inputs, report, tensor_pieces)
             finally:
-                source.release(pf.source_file)
-                source.release_header(pf.source_file)
+                inputs.close()
+                for f in pf.source_names:
+                    source.release_header(f)
     finally:
         bar.close()
         source.close()
 
 
-def _same_shard_elsewhere(plan: Any, pf: Any, rec: Record) -> bool:
-    """Whether the record was made from this very shard read from another kind of source (a local
-    copy records no Hub SHA-256): every fact both sides know agrees, and with the record's own shard
-    facts the plan gives the record's digest."""
+def records_split(plan: Any, records: list[Record]) -> Any:
+    """The split a complete set's records show (which units each file holds), as a ``Split`` that
+    re-plans the same files; None when the records do not cover the plan's units in order."""
+    from k3lab.pipeline.planning.split import Split
+
+    unit_of = {t.name: t.layer for f in plan.files for t in f.tensors}
+    order = [u for f in plan.files for u in f.units]
+    groups = []
+    for rec in sorted((r for r in records if r.is_text), key=lambda r: r.number):
+        units = list(dict.fromkeys(unit_of.get(t.name, "?") for t in rec.tensors))
+        if "?" in units or any(u not in order for u in units):
+            return None
+        groups.append(tuple(order.index(u) for u in units))
+    if [k for g in groups for k in g] != list(range(len(order))):
+        return None
+    return Split(plan.split.max_size, plan.split.max_tensors, True, tuple(groups))
+
+
+def _same_files_elsewhere(plan: Any, pf: Any, rec: Record) -> bool:
+    """Whether the record was made from these very files read from another kind of source (a local
+    copy records no Hub SHA-256): every fact both sides know agrees, and with the record's own
+    facts of them the plan gives the record's digest."""
     from k3lab.pipeline.planning.plan import file_digest
 
-    theirs = {k: v for k, v in rec.source.items() if k != "file"}
-    if any(pf.shard[k] != v for k, v in theirs.items() if k in pf.shard):
+    if len(rec.sources) != len(pf.sources):
         return False
-    return file_digest(plan, dataclasses.replace(pf, shard=theirs)) == rec.plan_digest
+    if len(pf.sources) > 1 and [s.file for s in rec.sources] != pf.source_names:
+        return False
+    for theirs, ours in zip(rec.sources, pf.sources):
+        a, b = theirs.fingerprint(), ours.fingerprint()
+        if any(a[k] != b[k] for k in a.keys() & b.keys()):
+            return False
+    return file_digest(plan, dataclasses.replace(pf, sources=list(rec.sources))) == rec.plan_digest
 
 
 def _compare(rec: Record, pf: Any, reader: Any, report: Report, tensor_pieces: Callable) -> None:
     """Every planned tensor of one file re-derived and compared with its record."""
     want = {t.name: t for t in rec.tensors}
-    for pt in pf.tensors:
+    for position, pt in enumerate(pf.tensors):
         h = hashlib.sha256()
+        reader.open_for(position, pt)
         for piece in tensor_pieces(pt, reader):
             h.update(memoryview(np.ascontiguousarray(piece)).cast("B"))
+        reader.done_with(position, pt)
         t = want.get(pt.name)
         if t is None:
             report.add(
@@ -335,6 +357,6 @@ def _compare(rec: Record, pf: Any, reader: Any, report: Report, tensor_pieces: C
                 "rederive",
                 rec.file,
                 f"{rec.file}: tensor {pt.name}: re-derived from the source, SHA-256 differs "
-                f"(source {pf.source_file}: {pt.sources[0]}"
+                f"(source {pf.sources[pt.files[0]].file if pt.files else '?'}: {pt.sources[0]}"
                 + (f" and {len(pt.sources) - 1} more)" if len(pt.sources) > 1 else ")"),
             )

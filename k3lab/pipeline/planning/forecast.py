@@ -14,10 +14,11 @@ from k3lab.pipeline.streams import job_memory
 BASE_RSS = 104 * 1024 * 1024
 
 
-def file_memory(pf: Any, entries: list[TensorEntry]) -> int:
-    """Forecast peak RSS of the process converting ``pf`` (file 1 adds its vocabulary later)."""
+def file_memory(tensors: list[Any], entries: list[TensorEntry]) -> int:
+    """Forecast peak RSS of the process converting these planned tensors (file 1 adds its
+    vocabulary later)."""
     by_name = {e.name: e for e in entries}
-    jobs = [t.job([by_name[n] for n in t.sources]) for t in pf.tensors]
+    jobs = [t.job([by_name[n] for n in t.sources]) for t in tensors]
     return BASE_RSS + job_memory(jobs)
 
 

@@ -4,11 +4,13 @@ type, shape, bytes, transform and peak memory, and the digests that say what eac
 A plan is made by ``planner`` (from config.json, the index, the tokenizer files and the safetensors
 headers alone), forecast by ``forecast``, shown by ``plan_table``, and saved by the output folder's
 owner (``folder``), keyed by a digest of everything it was made from; every later task loads it and
-reads at most the header of the shard it converts. Each file's digest covers exactly what decides
-that file's bytes, so a changed input redoes exactly the files it affects.
+reads at most the headers of the source files its output file reads. Each file's digest covers
+exactly what decides that file's bytes, so a changed input redoes exactly the files it affects.
 
-Output file k is made from source shard k (shard k holds unit k-1: a layer, or the output tensors),
-so every output file is an independent unit of work.
+An output file is whole units of the model (layers, then the output tensors: ``split``), whatever
+the source's files are; it lists the source files it reads (``sources``) and each of its tensors
+which of those hold its source tensors (``files``), so every output file is an independent unit of
+work that acquires exactly its own inputs.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from k3lab.errors import K3LabError
 from k3lab.formats.gguf_stream import KV, TensorInfo, kvs_to_json
 from k3lab.formats.safetensors import TensorEntry
 from k3lab.pipeline.model import Model, Rule
+from k3lab.pipeline.planning.split import Split
+from k3lab.pipeline.sources.base import SourceFile
 from k3lab.pipeline.streams import TensorJob, Transform
 
-PLAN_FORMAT = "k3lab-plan/2"
+PLAN_FORMAT = "k3lab-plan/3"
 OUTPUT_FORMAT = 2  # raised whenever k3lab would write other bytes from the same inputs
 
 OUTTYPES = ("auto", "bf16", "f16", "f32")
@@ -51,6 +55,8 @@ class PlannedTensor:
     layer: int | None
     cfg: Any = field(repr=False, compare=False)  # the model's config
     transform_fn: Transform = field(repr=False, compare=False)
+    files: tuple[int, ...] = ()  # which of its output file's ``sources`` hold its source tensors
+    read: int = 0  # source bytes its stream reads
 
     @property
     def name(self) -> str:
@@ -81,9 +87,9 @@ class PlannedTensor:
 class PlannedFile:
     number: int  # 1-based
     filename: str
-    source_file: str
-    shard: dict[str, Any]  # what identifies the source shard: size, header_sha256 (and the Hub's SHA-256)
+    sources: list[SourceFile]  # the source files it reads, in the order its tensors first need them
     tensors: list[PlannedTensor] = field(default_factory=list)
+    units: list[int | None] = field(default_factory=list)  # the model's units it holds (layers, None)
     digest: str = ""  # of everything that decides this file's bytes
     memory: int = 0  # forecast peak RSS of the process converting it
 
@@ -93,7 +99,16 @@ class PlannedFile:
 
     @property
     def source_bytes(self) -> int:
-        return int(self.shard.get("data_bytes", 0))
+        """The source bytes converting it reads (what a run's bar counts)."""
+        return sum(t.read for t in self.tensors)
+
+    @property
+    def source_names(self) -> list[str]:
+        return [s.file for s in self.sources]
+
+    def last_use(self) -> dict[int, int]:
+        """Source index -> the position of the last tensor reading it (then it can go)."""
+        return {i: k for k, t in enumerate(self.tensors) for i in t.files}
 
 
 @dataclass
@@ -106,6 +121,12 @@ class Plan:
     kvs_digest: str = ""  # of file 1's metadata (hyperparameters, vocabulary, chat template)
     inputs: dict[str, Any] = field(default_factory=dict)  # the fingerprints it was made from
     inputs_digest: str = ""
+    split: Split = field(default_factory=Split)
+
+    @property
+    def split_keys(self) -> bool:
+        """Whether the files carry llama.cpp's split keys (a set of one file has none)."""
+        return len(self.files) > 1
 
     @property
     def n_tensors(self) -> int:
@@ -123,8 +144,17 @@ class Plan:
         return "MXFP4_MOE" if self.label == "MXFP4" else self.label
 
     @property
-    def source_files(self) -> dict[str, int]:
-        return {f.source_file: f.source_bytes for f in self.files}
+    def source_files(self) -> list[SourceFile]:
+        """Every source file the set reads, once."""
+        seen: dict[str, SourceFile] = {}
+        for f in self.files:
+            for s in f.sources:
+                seen.setdefault(s.file, s)
+        return list(seen.values())
+
+    def readers_of(self, file: str) -> list[int]:
+        """The output files (numbers) that read source file ``file``."""
+        return [f.number for f in self.files if file in f.source_names]
 
     def file(self, number: int) -> PlannedFile:
         return self.files[number - 1]
@@ -141,6 +171,7 @@ class Plan:
             "config": self.cfg.raw,
             "config_path": self.cfg.path,
             "kvs_digest": self.kvs_digest,
+            "split": self.split.to_json(),
             "n_files": len(self.files),
             "n_tensors": self.n_tensors,
             "bytes": sum(f.nbytes for f in self.files),
@@ -148,8 +179,8 @@ class Plan:
                 {
                     "number": f.number,
                     "filename": f.filename,
-                    "source_file": f.source_file,
-                    "shard": f.shard,
+                    "sources": [s.to_json() for s in f.sources],
+                    "units": f.units,
                     "digest": f.digest,
                     "bytes": f.nbytes,
                     "memory": f.memory,
@@ -163,6 +194,8 @@ class Plan:
                             "transform": t.transform,
                             "rule": self.model.rules.index(t.rule),
                             "layer": t.layer,
+                            "files": list(t.files),
+                            "read": t.read,
                         }
                         for t in f.tensors
                     ],
@@ -180,27 +213,28 @@ class Plan:
         if data.get("model") != model.name or data.get("rules_digest") != model.rules_digest:
             raise PlanError(f"a plan of another model or rule table ({data.get('model')})")
         cfg = model.config_from_dict(data["config"], data.get("config_path", "config.json"))
-        files = [
-            PlannedFile(
-                f["number"],
-                f["filename"],
-                f["source_file"],
-                f["shard"],
-                [
-                    PlannedTensor(
-                        TensorInfo(t["name"], GGMLQuantizationType[t["type"]], tuple(t["shape"])),
-                        model.rules[t["rule"]],
-                        t["layer"],
-                        cfg,
-                        model.transforms[model.rules[t["rule"]].transform],
-                    )
-                    for t in f["tensors"]
-                ],
-                f["digest"],
-                f["memory"],
+        files = []
+        for f in data["files"]:
+            sources = [SourceFile.from_json(s) for s in f["sources"]]
+            tensors = [
+                PlannedTensor(
+                    TensorInfo(t["name"], GGMLQuantizationType[t["type"]], tuple(t["shape"])),
+                    model.rules[t["rule"]],
+                    t["layer"],
+                    cfg,
+                    model.transforms[model.rules[t["rule"]].transform],
+                    tuple(int(i) for i in t["files"]),
+                    int(t["read"]),
+                )
+                for t in f["tensors"]
+            ]
+            if any(not 0 <= i < len(sources) for t in tensors for i in t.files):
+                raise PlanError(f"output file {f['number']}: a tensor reads a file the plan does not list")
+            files.append(
+                PlannedFile(
+                    f["number"], f["filename"], sources, tensors, f["units"], f["digest"], f["memory"]
+                )
             )
-            for f in data["files"]
-        ]
         return cls(
             model,
             cfg,
@@ -210,6 +244,7 @@ class Plan:
             data["kvs_digest"],
             data["inputs"],
             data["inputs_digest"],
+            Split.from_json(data["split"]),
         )
 
 
@@ -220,9 +255,27 @@ def _dominant(types: set[GGMLQuantizationType]) -> str:
     return "F32"
 
 
-def output_filename(basename: str, label: str, number: int, count: int) -> str:
-    """llama.cpp's split naming: PREFIX-000NN-of-000MM.gguf."""
+def output_filename(basename: str, label: str, number: int, count: int, size_label: str = "") -> str:
+    """A set of one file as upstream's converter names it (``Kimi-K3-0.40B-F16.gguf``: name, size
+    label, type); a split set as llama.cpp's split naming (``Kimi-K3-MXFP4-00001-of-00094.gguf``,
+    k3lab's names since its first release, kept so that published sets stay valid)."""
+    if count == 1:
+        return f"{basename}-{size_label}-{label}.gguf" if size_label else f"{basename}-{label}.gguf"
     return f"{basename}-{label}-{number:05d}-of-{count:05d}.gguf"
+
+
+def size_label(plan: Plan) -> str:
+    """The parameter count of the set's tensors, as upstream's file names give it (``0.40B``)."""
+    from gguf import model_weight_count_rounded_notation
+
+    total = 0
+    for f in plan.files:
+        for t in f.tensors:
+            n = 1
+            for d in t.info.shape:
+                n *= d
+            total += n
+    return model_weight_count_rounded_notation(total, min_digits=2)
 
 
 def kvs_digest(kvs: list[KV]) -> str:
@@ -235,13 +288,16 @@ def file_digest(plan: Plan, pf: PlannedFile) -> str:
     items = [
         (t.name, t.info.type.name, t.info.shape, t.transform, t.rule.sources, t.layer) for t in pf.tensors
     ]
+    # a file read from one source file keys on its fingerprint alone, as k3lab always has (so a set
+    # converted before files could read several is still complete); otherwise on each file's, by name
+    sources: Any = pf.sources[0].fingerprint() if len(pf.sources) == 1 else [s.to_json() for s in pf.sources]
     key = [
         OUTPUT_FORMAT,
         pf.number,
         pf.filename,
         len(plan.files),
         plan.n_tensors,
-        pf.shard,  # (the Hub: its SHA-256 too, so a changed shard redoes its file)
+        sources,  # (the Hub: their SHA-256 too, so a changed source file redoes the files that read it)
         items,
         plan.kvs_digest if pf.number == 1 else None,
     ]

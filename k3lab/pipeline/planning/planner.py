@@ -8,6 +8,7 @@ header that disagrees with the config can never convert, nor verify.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Callable
@@ -32,7 +33,9 @@ from k3lab.pipeline.planning.plan import (
     file_digest,
     kvs_digest,
     output_filename,
+    size_label,
 )
+from k3lab.pipeline.planning.split import Split, group_units
 from k3lab.pipeline.sources.base import meta_fingerprint
 from k3lab.pipeline.streams import TransformError
 
@@ -51,13 +54,17 @@ FLOAT_SOURCE = ("BF16", "F16", "F32")
 
 
 def check_entry(e: TensorEntry, spec: TensorSpec | None, bid: int | None, rule: Rule) -> None:
-    """A source tensor against what the config says it is: its shape exactly, and its dtype (packed
-    MXFP4 bytes are U8; any float type may hold a float tensor)."""
+    """A source tensor against what the config says it is: its shape exactly, and its dtype (one of
+    ``spec.accepts`` when the model names them; else packed MXFP4 bytes are U8 and any float type
+    may hold a float tensor)."""
     if spec is None:
         return  # an optional tensor the layout does not list (a vision bias): its rule checks it
-    dtype_ok = e.dtype == spec.dtype if spec.dtype == "U8" else e.dtype in FLOAT_SOURCE
+    if spec.accepts:
+        dtype_ok = e.dtype in spec.accepts
+    else:
+        dtype_ok = e.dtype == spec.dtype if spec.dtype not in FLOAT_SOURCE else e.dtype in FLOAT_SOURCE
     if not dtype_ok or e.shape != spec.shape:
-        want = spec.dtype if spec.dtype == "U8" else "float"
+        want = "/".join(spec.accepts) if spec.accepts else spec.dtype if spec.dtype == "U8" else "float"
         where = f"layer {bid}" if bid is not None else "output tensors"
         raise PlanError(
             f"{e.file}: tensor {e.name}: {e.dtype} {list(e.shape)}, expected {want} {list(spec.shape)} "
@@ -102,7 +109,47 @@ def plan_tensor(
         info.nbytes  # noqa: B018 - raises when the last dimension does not fill the type's blocks
     except ValueError as err:
         raise PlanError(f"{entries[0].file}: tensor {entries[0].name}: {err}") from None
-    return PlannedTensor(info, rule, bid, cfg, transform)
+    return PlannedTensor(info, rule, bid, cfg, transform, read=sum(e.nbytes for e in entries))
+
+
+def _choose_variants(rules: list[Rule], cfg: Any, bid: int | None, weight_map: dict[str, str]) -> list[Rule]:
+    """Where several rules make one output tensor (a stack of MXFP4-packed experts, or of plain
+    ones), the one whose sources the checkpoint holds: a tensor's format is read from the headers,
+    never from what the config claims."""
+    by_output: dict[str, list[Rule]] = {}
+    for r in rules:
+        by_output.setdefault(r.output_name(bid), []).append(r)
+    chosen = []
+    for r in rules:
+        group = by_output[r.output_name(bid)]
+        if len(group) == 1:
+            chosen.append(r)
+            continue
+        present = next((g for g in group if g.source_names(cfg, bid)[0] in weight_map), group[0])
+        if r is present:
+            chosen.append(r)
+    return chosen
+
+
+def _plan_unit(
+    model: Model,
+    cfg: Any,
+    source: Any,
+    bid: int | None,
+    outtype: str,
+    config_tags: frozenset[str],
+    where: str,
+) -> list[PlannedTensor]:
+    """Every output tensor of one unit (a layer, or the output tensors), its sources checked."""
+    expected = model.layout(cfg, bid)
+    tags = model.unit_tags(cfg, bid)
+    applying = [r for r in model.rules if r.applies(tags, config_tags)]
+    tensors = []
+    for rule in _choose_variants(applying, cfg, bid, source.weight_map):
+        pt = plan_tensor(rule, cfg, source, bid, outtype, where, expected, tags, config_tags, model)
+        if pt is not None:
+            tensors.append(pt)
+    return tensors
 
 
 def build_plan(
@@ -113,20 +160,25 @@ def build_plan(
     basename: str | None = None,
     chat_template: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    split: Split | None = None,
 ) -> Plan:
-    """Plan the conversion of the split set from config, index and every shard's header (one in
-    memory at a time), checking every source tensor is used by a rule and every rule finds its
-    sources, with the dtype and shape the config implies. ``progress(done, total)`` hears of each
-    unit planned (a Hub source reads a header for each: planning the real model takes a while)."""
+    """Plan the conversion of the text model from config, index and every source file's header
+    (each in memory only while the units it holds are planned), checking every source tensor is used
+    by a rule and every rule finds its sources, with the dtype and shape the config implies. The
+    output files are whole units, cut by ``split``, whatever the source's files are.
+    ``progress(done, total)`` hears of each unit planned (a Hub source reads headers for it)."""
     if outtype not in OUTTYPES:
         raise PlanError(f"--outtype {outtype!r}: choose from {', '.join(OUTTYPES)}")
+    split = split or Split()
     basename = basename or model.default_basename
     weight_map: dict[str, str] = source.weight_map
     text_names = [n for n in weight_map if n.startswith(model.text_prefix)]
     unknown = [n for n in weight_map if not n.startswith((model.text_prefix, *model.other_prefixes))]
     if unknown:
         raise PlanError(f"{weight_map[unknown[0]]}: tensor {unknown[0]} is not a tensor any rule table knows")
-    _check_counts(cfg, weight_map, text_names)
+    _check_counts(cfg, text_names)
+    if model.check_source is not None:
+        model.check_source(cfg, weight_map)
     by_unit: dict[int | None, list[str]] = {}
     for name in text_names:
         by_unit.setdefault(model.unit_of(name), []).append(name)
@@ -137,51 +189,48 @@ def build_plan(
             f"but the config has {cfg.n_layer} layers"
         )
     config_tags = model.config_tags(cfg)
-    used: set[str] = set()
-    files: list[PlannedFile] = []
     units = model.units(cfg)
-    for bid in units:
-        tensors: list[PlannedTensor] = []
-        homes: set[str] = set()
+    # a file's header is kept while the units it holds are planned, then dropped (bounded memory)
+    last_unit = {weight_map[n]: k for k, bid in enumerate(units) for n in by_unit.get(bid, [])}
+    used: set[str] = set()
+    planned: list[tuple[int | None, list[PlannedTensor], int]] = []  # (unit, tensors, peak memory)
+    for k, bid in enumerate(units):
         home = {weight_map[n] for n in by_unit.get(bid, [])}
         where = next(iter(home)) if len(home) == 1 else str(source.index_path)
-        expected = model.layout(cfg, bid)
-        tags = model.unit_tags(cfg, bid)
-        for rule in model.rules:
-            pt = plan_tensor(rule, cfg, source, bid, outtype, where, expected, tags, config_tags, model)
-            if pt is not None:
-                tensors.append(pt)
-                names = pt.sources
-                used.update(names)
-                homes.update(weight_map[n] for n in names)
-        if len(homes) != 1:
-            label = "the output tensors" if bid is None else f"layer {bid}"
-            raise PlanError(
-                f"{source.index_path}: {label} is spread over {len(homes)} files ({', '.join(sorted(homes))});"
-                " k3lab converts one source shard per output file"
-            )
-        file = homes.pop()
-        pf = PlannedFile(len(files) + 1, "", file, source.planned_shard(file), tensors)
-        pf.memory = file_memory(pf, [source.entry(n) for t in tensors for n in t.sources])
-        files.append(pf)
-        source.release_header(file)  # one shard's header in memory at a time (the real ones are ~1 MB)
+        tensors = _plan_unit(model, cfg, source, bid, outtype, config_tags, where)
+        entries = {n: source.entry(n) for t in tensors for n in t.sources}
+        for t in tensors:
+            used.update(t.sources)
+        planned.append((bid, tensors, file_memory(tensors, list(entries.values()))))
+        for file in [f for f, last in last_unit.items() if last == k]:
+            source.release_header(file)
         if progress is not None:
-            progress(len(files), len(units))
+            progress(k + 1, len(units))
     unused = [n for n in text_names if n not in used]
     if unused:
         raise PlanError(
             f"{weight_map[unused[0]]}: tensor {unused[0]} is not used by any rule (k3lab never drops "
             "a tensor silently)"
         )
-    sources = [f.source_file for f in files]
-    if len(set(sources)) != len(sources):
-        dup = next(f for f in sources if sources.count(f) > 1)
-        raise PlanError(
-            f"{dup}: holds tensors of two layers; k3lab converts one source shard per output file"
-        )
-    plan = Plan(model, cfg, outtype, basename, files)
+    groups = group_units([(sum(t.nbytes for t in ts), len(ts)) for _, ts, _ in planned], split)
+    files: list[PlannedFile] = []
+    for group in groups:
+        names: list[str] = []  # the source files, in the order the file's tensors first need them
+        tensors = []
+        for t in (t for k in group for t in planned[k][1]):
+            mine = list(dict.fromkeys(weight_map[n] for n in t.sources))
+            names += [f for f in mine if f not in names]
+            tensors.append(dataclasses.replace(t, files=tuple(names.index(f) for f in mine)))
+        sources = [source.source_file(f) for f in names]
+        for f in names:
+            source.release_header(f)
+        pf = PlannedFile(len(files) + 1, "", sources, tensors, [planned[k][0] for k in group])
+        pf.memory = max(planned[k][2] for k in group)
+        files.append(pf)
+    plan = Plan(model, cfg, outtype, basename, files, split=split)
+    label = size_label(plan) if len(files) == 1 else ""
     for f in files:
-        f.filename = output_filename(basename, plan.label, f.number, len(files))
+        f.filename = output_filename(basename, plan.label, f.number, len(files), label)
     kvs = plan_kvs(plan, source.meta_dir, chat_template)
     plan.kvs_digest = kvs_digest(kvs)
     files[0].memory += vocab_memory(kvs)
@@ -190,14 +239,12 @@ def build_plan(
     return plan
 
 
-def _check_counts(cfg: Any, weight_map: dict[str, str], text_names: list[str]) -> None:
-    """The config's counts against the index, before anything loops over them: a layer per shard
-    file plus one for the output tensors, and no more experts than the index has tensors."""
-    files = len(set(weight_map.values()))
-    if cfg.n_layer + 1 > files:
+def _check_counts(cfg: Any, text_names: list[str]) -> None:
+    """The config's counts against the index, before anything loops over them: every layer holds
+    tensors, and no more experts than the index has tensors."""
+    if cfg.n_layer > len(text_names):
         raise PlanError(
-            f"{cfg.path}: {cfg.n_layer} layers need {cfg.n_layer + 1} shard files (one per layer, then the "
-            f"output tensors); the index lists {files}"
+            f"{cfg.path}: {cfg.n_layer} layers, but the checkpoint holds only {len(text_names)} text tensors"
         )
     if cfg.n_expert > len(text_names):
         raise PlanError(
@@ -224,7 +271,7 @@ def inputs_fingerprint(
         "k3lab": [PLAN_FORMAT, OUTPUT_FORMAT, model.name, model.rules_digest],
         "options": options,
         "meta": meta_fingerprint(source.meta_dir, model.meta_files + model.optional_meta),
-        "shards": source.shard_fingerprint(shards),
+        "files": source.file_fingerprints(shards),
         "pinned": source.pin(),  # (the Hub: the commit every task reads)
     }
 
@@ -240,26 +287,35 @@ def make_plan(
     basename: str | None = None,
     chat_template: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    split: Split | None = None,
 ) -> tuple[Plan, list[KV]]:
     """A new plan of converting ``source``, with its inputs' fingerprint, and file 1's KVs."""
     basename = basename or model.default_basename
-    options = plan_options(outtype, basename, chat_template)
+    split = split or Split()
+    options = plan_options(outtype, basename, chat_template, split)
     cfg = model.load_config(source.meta_dir)
-    plan = build_plan(model, cfg, source, outtype, basename, chat_template, progress)
-    plan.inputs = inputs_fingerprint(model, source, [f.source_file for f in plan.files], options)
+    plan = build_plan(model, cfg, source, outtype, basename, chat_template, progress, split)
+    plan.inputs = inputs_fingerprint(model, source, [s.file for s in plan.source_files], options)
     plan.inputs_digest = inputs_digest(plan.inputs)
     return plan, plan_kvs(plan, source.meta_dir, chat_template)
 
 
-def plan_options(outtype: str, basename: str, chat_template: str | None) -> dict[str, Any]:
-    return {"outtype": outtype, "basename": basename, "chat_template": chat_template}
+def plan_options(
+    outtype: str, basename: str, chat_template: str | None, split: Split | None = None
+) -> dict[str, Any]:
+    return {
+        "outtype": outtype,
+        "basename": basename,
+        "chat_template": chat_template,
+        "split": (split or Split()).to_json(),
+    }
 
 
 def still_current(saved: Plan, source: Any, options: dict[str, Any]) -> bool:
     """Whether a saved plan was made from these very inputs (cheap: hashes of the metadata files and
     shard headers); a shard gone missing reads as changed (planning again says which)."""
     try:
-        inputs = inputs_fingerprint(saved.model, source, sorted(saved.inputs.get("shards", {})), options)
+        inputs = inputs_fingerprint(saved.model, source, sorted(saved.inputs.get("files", {})), options)
         # the config the plan carries must be the one on disk (a plan's own digest can be forged)
         same_config = saved.model.load_config(source.meta_dir).raw == saved.cfg.raw
     except K3LabError:

@@ -1,10 +1,10 @@
-"""Batch runs: a notebook executed once per shard with papermill, fanned out on Dask distributed.
+"""Batch runs: a notebook executed once per output file with papermill, fanned out on Dask distributed.
 
-``run_batch`` starts a LocalCluster (or joins a scheduler) and runs ``notebook`` for each shard
-with parameters ``meta``, ``src``, ``out_dir`` and ``shard``; each executed notebook is kept as
-``papermill_runs/<run-id>/shard-NN.ipynb``. A failed shard does not stop the others: it is
-reported in the summary and converted by running the same command again (finished shards are
-found complete and kept). Concurrent kernel starts can race for ports (a known papermill and
+``run_batch`` starts a LocalCluster (or joins a scheduler) and runs ``notebook`` for each output
+file with parameters ``meta``, ``src``, ``out_dir`` and ``file``; each executed notebook is kept as
+``papermill_runs/<run-id>/file-NN.ipynb``. A failed file does not stop the others: it is reported
+in the summary and converted by running the same command again (finished files are found complete
+and kept). Concurrent kernel starts can race for ports (a known papermill and
 jupyter_client problem), so a kernel that fails to start is retried after a random pause.
 """
 
@@ -36,7 +36,7 @@ KERNEL_START_ERRORS = (
 
 @dataclass
 class ShardRun:
-    shard: int
+    file: int  # the output file the notebook ran for
     status: str  # ok | failed
     seconds: float
     notebook: str
@@ -48,7 +48,7 @@ def execute_shard(notebook: str, output: str, parameters: dict[str, Any], attemp
     import papermill
 
     t0 = time.perf_counter()
-    shard = int(parameters["shard"])
+    shard = int(parameters["file"])
     for attempt in range(attempts):
         try:
             papermill.execute_notebook(
@@ -77,7 +77,7 @@ def dask_map(
     calls: Iterable[tuple],
     scheduler: str | None = None,
     workers: int = 2,
-    desc: str = "shards",
+    desc: str = "files",
     quiet: bool = False,
 ) -> list[Any]:
     """fn(*args) for each args on Dask: a LocalCluster of ``workers`` processes, or ``scheduler``.
@@ -98,7 +98,7 @@ def dask_map(
         futures = [client.submit(fn, *args, pure=False) for args in calls]
         results = []
         with tqdm(
-            total=len(futures), desc=desc, unit="shard", disable=True if quiet else None, dynamic_ncols=True
+            total=len(futures), desc=desc, unit="file", disable=True if quiet else None, dynamic_ncols=True
         ) as bar:
             for fut in as_completed(futures):
                 try:
@@ -125,7 +125,7 @@ def run_batch(
     runs_dir: str | Path = "papermill_runs",
     run_token: str | None = None,
 ) -> tuple[Path, list[ShardRun]]:
-    """Run ``notebook`` once per shard. ``run_token`` is the token of the run holding ``out_dir``'s
+    """Run ``notebook`` once per output file (``shards``). ``run_token`` is the token of the run holding ``out_dir``'s
     lock (the notebooks convert into it as part of that run)."""
     if not Path(notebook).is_file():
         raise K3LabError(f"{notebook}: notebook not found (the repository's are in notebooks/)")
@@ -135,12 +135,12 @@ def run_batch(
     calls = [
         (
             str(Path(notebook).resolve()),
-            str((run_dir / f"shard-{k:02d}.ipynb").resolve()),
+            str((run_dir / f"file-{k:02d}.ipynb").resolve()),
             {
                 "meta": str(Path(meta).resolve()),
                 "src": str(Path(src).resolve()),
                 "out_dir": str(Path(out_dir).resolve()),
-                "shard": k,
+                "file": k,
                 **({"run_token": run_token} if run_token else {}),
             },
         )
@@ -149,19 +149,19 @@ def run_batch(
     results = dask_map(execute_shard, calls, scheduler, workers)
     if Path(out_dir).exists():
         OutputFolder(out_dir).merge()
-    return run_dir, sorted(results, key=lambda r: r.shard)
+    return run_dir, sorted(results, key=lambda r: r.file)
 
 
 def summary(run_dir: Path, results: list[ShardRun]) -> str:
-    lines = [f"run {run_dir}", f"{'shard':>5}  {'status':<7} {'seconds':>8}  notebook / error"]
+    lines = [f"run {run_dir}", f"{'file':>5}  {'status':<7} {'seconds':>8}  notebook / error"]
     for r in results:
         lines.append(
-            f"{r.shard:>5}  {r.status:<7} {r.seconds:>8.1f}  {Path(r.notebook).name}"
+            f"{r.file:>5}  {r.status:<7} {r.seconds:>8.1f}  {Path(r.notebook).name}"
             + (f"  {r.error}" if r.error else "")
         )
-    failed = [r.shard for r in results if r.status != "ok"]
+    failed = [r.file for r in results if r.status != "ok"]
     lines.append(
         f"{len(results) - len(failed)} ok, {len(failed)} failed"
-        + (f" (shards {','.join(map(str, failed))}: run the same command again)" if failed else "")
+        + (f" (files {','.join(map(str, failed))}: run the same command again)" if failed else "")
     )
     return "\n".join(lines)

@@ -20,6 +20,7 @@ from k3lab.errors import K3LabError, MachineError
 from k3lab.pipeline.model import Model
 from k3lab.pipeline.planning.plan import Plan
 from k3lab.pipeline.planning.planner import make_plan, plan_options, still_current
+from k3lab.pipeline.planning.split import Split
 from k3lab.pipeline.progress import RunProgress
 from k3lab.pipeline.publishing.publish import Committer, Publication, open_committer, published
 from k3lab.pipeline.publishing.upload import upload
@@ -69,6 +70,7 @@ class RunOptions:
     basename: str | None = None  # the model's default
     chat_template: str | None = None
     force: bool = False
+    split: Split | None = None  # how the set is cut into files (None: as the folder's plan has it)
 
 
 def prepare(
@@ -90,8 +92,10 @@ def prepare(
         source = open_source(spec, fresh=True)
         source.fetch_meta()
     saved = folder.load_plan(model)
+    # a folder keeps its set's split unless the request names one; a new folder takes the default
+    split = options.split or (saved.split if saved is not None else Split())
     if saved is not None and still_current(
-        saved, source, plan_options(options.outtype, basename, options.chat_template)
+        saved, source, plan_options(options.outtype, basename, options.chat_template, split)
     ):
         return saved, None
     bar = tqdm(
@@ -103,7 +107,7 @@ def prepare(
         bar.update(done - bar.n)
 
     try:
-        plan, kvs = make_plan(model, source, options.outtype, basename, options.chat_template, planned)
+        plan, kvs = make_plan(model, source, options.outtype, basename, options.chat_template, planned, split)
     finally:
         bar.close()
     if saved is not None and say is not None:
@@ -160,6 +164,13 @@ def start_run(
     with folder.hold(run_token) as token:
         if kvs is not None:
             folder.save_plan(plan, kvs)
+            gone = folder.retire(plan)
+            if gone and say is not None:
+                say(
+                    f"the set is now {len(plan.files)} file{'s' if len(plan.files) > 1 else ''} "
+                    f"({plan.files[0].filename}{' ...' if len(plan.files) > 1 else ''}): removed the "
+                    f"{len(gone)} files of its earlier split that k3lab wrote here ({gone[0]} ...)"
+                )
         if run_token is None:
             folder.remove_partials()
         yield plan, token, numbers
@@ -311,7 +322,7 @@ def _convert_planned(
             raise next(iter(failures.values()))
         done = {r.number for r in results} | set(failures)
         raise RunFailed(
-            [(k, plan.file(k).source_file, e) for k, e in failures.items()],
+            [(k, plan.file(k).filename, e) for k, e in failures.items()],
             len(numbers),
             [k for k in todo if k not in done],
         )

@@ -106,15 +106,21 @@ def run_task(
         stages = worker_stages() if task.channel else None  # on Dask: the worker as a pipeline
         until_uploaded, until_converted = contextlib.ExitStack(), contextlib.ExitStack()
 
-        def acquired() -> None:  # this shard is here: the next one downloads while it converts
+        def acquired() -> None:  # its first files are here: the worker's next task starts now
             if stages is not None:
                 leave_pool()
                 if task.push is not None:
                     until_uploaded.enter_context(held(stages.outputs, report))
                 until_converted.enter_context(held(stages.converting, report))
-            elif next_number is not None:
-                ahead = TaskReport(next_number, report.emit, report.stop)
-                source.prefetch(plan.file(next_number).source_file, ahead)
+
+        # the files a later task reads too are kept: the next task of this process (known here), or
+        # on Dask any later output file's (which this worker may well run next)
+        if next_number is not None:
+            then = tuple(plan.file(next_number).source_names)
+        elif stages is not None:
+            then = tuple(f for f in plan.file(number).source_names if max(plan.readers_of(f)) > number)
+        else:
+            then = ()
 
         def before_commit() -> None:
             report.check(now=True)
@@ -139,6 +145,7 @@ def run_task(
                         before_commit=before_commit,
                         file_sha256=push is not None,
                         acquired=acquired,
+                        then=then,
                     )
                 if push is None:
                     return result

@@ -1,9 +1,14 @@
 """The source interface: the checkpoint's files, wherever they are (a kind of source subclasses it).
 
-The planner asks a source for the index and every shard's header; a conversion task asks it for
-one shard: ``acquire(file)`` (local: nothing; Hub: download into scratch, resuming), bounded
-``map`` calls for that shard's bytes, then ``release(file)`` (Hub: delete it). ``prefetch``
+The planner asks a source for the index and every source file's header; a conversion task asks it
+for the files its output file reads, one after another as its tensors need them: ``acquire(file)``
+(local: nothing; Hub: download into scratch, resuming), bounded ``map`` calls for that file's bytes,
+then ``release(file)`` (Hub: delete it, unless ``keep``: the next task reads it too). ``prefetch``
 hints the next file (Hub: its download starts while this one converts; at most one ahead).
+
+A checkpoint is any layout transformers or Moonshot write: an index naming the files (any names,
+tensors of one layer in several files), or one ``model.safetensors`` and no index (its header is the
+index). Nothing here knows which tensors belong together: the plan says which file holds what.
 
 A ``SourceSpec`` is the picklable recipe for a source: every worker (a ``--jobs`` process, a Dask
 worker on another machine) opens its own from it (``sources.open_source``), so the same task runs
@@ -32,7 +37,10 @@ import numpy as np
 from k3lab.errors import K3LabError
 from k3lab.formats.files import open_regular, read_chunks
 from k3lab.formats.safetensors import (
+    INDEX_NAME,
+    SINGLE_NAME,
     TensorEntry,
+    find_index,
     parse_header,
     read_index,
     read_raw_header,
@@ -67,6 +75,40 @@ def meta_fingerprint(meta_dir: str | Path, names: tuple[str, ...]) -> dict[str, 
         present = path.exists() or path.is_symlink()
         out[name] = sha256_file(path) if present else None
     return out
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """A source file as a plan and a record know it: what identifies its bytes, read cheaply (its
+    size and the SHA-256 of its header; from the Hub also the SHA-256 of the whole file, its LFS
+    oid), and how many bytes of tensor data it holds."""
+
+    file: str
+    size: int
+    header_sha256: str
+    data_bytes: int
+    sha256: str | None = None
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What an output file's digest covers of this file (its bytes, not its name)."""
+        out = {"data_bytes": self.data_bytes, "size": self.size, "header_sha256": self.header_sha256}
+        return out | ({"sha256": self.sha256} if self.sha256 else {})
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, **self.fingerprint()}
+
+    @classmethod
+    def from_json(cls, data: Any) -> SourceFile:
+        """The JSON ``to_json`` wrote; anything else raises ValueError."""
+        if not isinstance(data, dict) or not isinstance(data.get("file"), str):
+            raise ValueError("a source file is an object naming its file")
+        ints = [data.get(k) for k in ("size", "data_bytes")]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
+            raise ValueError(f"{data['file']}: size and data_bytes are counts")
+        sha, head = data.get("sha256"), data.get("header_sha256")
+        if not isinstance(head, str) or (sha is not None and not isinstance(sha, str)):
+            raise ValueError(f"{data['file']}: header_sha256 and sha256 are hex strings")
+        return cls(data["file"], data["size"], head, data["data_bytes"], sha)
 
 
 @dataclass(frozen=True)
@@ -109,31 +151,49 @@ class Source(abc.ABC):
     meta_dir: Path
 
     def __init__(self) -> None:
-        self._index: tuple[Path, dict[str, str]] | None = None
+        self._index: tuple[Path | str, dict[str, str]] | None = None
         self._by_file: dict[str, set[str]] | None = None
         self._headers: dict[str, dict[str, TensorEntry]] = {}
         self._header_sha: dict[str, str] = {}
         self._fds: dict[str, int] = {}
+        self._holds: dict[str, int] = {}  # file -> acquires not released yet
         self._mapped: dict[int, collections.deque] = {}  # fd -> ranges of its latest pieces
         self._acquired: dict[str, dict[str, TensorEntry]] = {}  # shards read whole by ``array``
         self._lock = threading.Lock()
 
     # --- the index (parsed only by the planner: a task never needs it) ---
     @property
-    def index_path(self) -> Path:
+    def index_path(self) -> Path | str:
+        """Where the map of tensors to files comes from (the index, or the one file's header)."""
         return self._load_index()[0]
 
     @property
     def weight_map(self) -> dict[str, str]:
         return self._load_index()[1]
 
-    def _load_index(self) -> tuple[Path, dict[str, str]]:
+    def _load_index(self) -> tuple[Path | str, dict[str, str]]:
         if self._index is None:
-            self._index = read_index(*self._index_dirs())
+            path = find_index(*self._index_dirs())
+            self._index = (path, read_index(path)) if path is not None else self._single_file_index()
         return self._index
+
+    def _single_file_index(self) -> tuple[Path | str, dict[str, str]]:
+        """No index: one ``model.safetensors`` holds every tensor (what transformers saves below its
+        shard size), and its header is the index."""
+        if not self.has_file(SINGLE_NAME):
+            dirs = ", ".join(dict.fromkeys(str(d) for d in self._index_dirs()))
+            raise SourceError(f"{dirs}: no {INDEX_NAME} and no {SINGLE_NAME} (not a safetensors checkpoint)")
+        entries = self._parse(SINGLE_NAME)
+        self._by_file = {SINGLE_NAME: set(entries)}
+        self._headers[SINGLE_NAME] = entries
+        return self.where(SINGLE_NAME), dict.fromkeys(entries, SINGLE_NAME)
 
     def _index_dirs(self) -> list[Path]:
         return [self.meta_dir]
+
+    def has_file(self, file: str) -> bool:
+        """Whether the checkpoint has ``file`` (local: in its folder; the Hub: at the commit)."""
+        return self.readable(file)
 
     def files(self) -> list[str]:
         return sorted(self._listed())
@@ -170,8 +230,8 @@ class Source(abc.ABC):
             self._headers[file] = entries
         return entries
 
-    def shard_header(self, file: str) -> tuple[dict[str, TensorEntry], str]:
-        """A shard's header as a conversion task reads it (no index needed): entries and header SHA-256."""
+    def file_header(self, file: str) -> tuple[dict[str, TensorEntry], str]:
+        """A file's header as a conversion task reads it (no index needed): entries and header SHA-256."""
         entries = self._parse(file)
         return entries, self._header_sha[file]
 
@@ -200,10 +260,12 @@ class Source(abc.ABC):
         """The run is over: stop background work and remove what it left (local: nothing)."""
         return None  # nothing in flight
 
-    # --- one shard's bytes ---
+    # --- a file's bytes ---
     def acquire(self, file: str, report: TaskReport = NO_REPORT) -> None:
-        """Make ``file``'s bytes readable (local: they are); downloads report to ``report``."""
-        return None  # a local file is readable as it is
+        """Make ``file``'s bytes readable until as many ``release``s (local: they are); downloads
+        report to ``report``."""
+        with self._lock:
+            self._holds[file] = self._holds.get(file, 0) + 1
 
     def prefetch(self, file: str, report: TaskReport = NO_REPORT) -> None:
         """A hint: ``file`` is acquired next (local: nothing to do)."""
@@ -214,15 +276,23 @@ class Source(abc.ABC):
         the commit); the plan records them and every task opens its source with them."""
         return {}
 
-    def release(self, file: str) -> None:
-        """Done with ``file``: close it (the Hub source also deletes it)."""
-        self._acquired.pop(file, None)
+    def release(self, file: str, keep: bool = False) -> bool:
+        """Done with ``file`` (once per ``acquire``): once nobody holds it, close it (the Hub source
+        also deletes it, unless ``keep``: a task after this one reads it too). True when it was the
+        last hold."""
         with self._lock:
+            left = self._holds.get(file, 0) - 1
+            if left > 0:
+                self._holds[file] = left
+                return False
+            self._holds.pop(file, None)
             fd = self._fds.pop(file, None)
             if fd is not None:
                 self._mapped.pop(fd, None)
+        self._acquired.pop(file, None)
         if fd is not None:
             os.close(fd)
+        return True
 
     def map(self, entry: TensorEntry, offset: int, nbytes: int) -> np.ndarray:
         """``nbytes`` of a tensor from byte ``offset`` of its data, as a read-only view of the file's
@@ -290,7 +360,7 @@ class Source(abc.ABC):
         entries = self._acquired.get(file)
         if entries is None:
             self.acquire(file)
-            entries = self._acquired[file] = self.shard_header(file)[0]
+            entries = self._acquired[file] = self.file_header(file)[0]
         return read_tensor(entries[name])
 
     # --- for subclasses ---
@@ -309,8 +379,8 @@ class Source(abc.ABC):
     def where(self, file: str) -> str:
         return str(self.local_path(file))
 
-    def shard_fingerprint(self, files: list[str]) -> dict[str, dict[str, Any]]:
-        """What identifies each shard's contents, cheaply (local: size and header SHA-256)."""
+    def file_fingerprints(self, files: list[str]) -> dict[str, dict[str, Any]]:
+        """What identifies each file's contents, cheaply (local: size and header SHA-256)."""
         out = {}
         for f in files:
             path = self.local_path(f)
@@ -320,10 +390,11 @@ class Source(abc.ABC):
             out[f] = {"size": size, "header_sha256": hashlib.sha256(raw).hexdigest()}
         return out
 
-    def planned_shard(self, file: str) -> dict[str, Any]:
-        """What the plan records of a shard it was made from."""
-        size = sum(e.nbytes for e in self.header(file).values())
-        return {"data_bytes": size, **self.shard_fingerprint([file])[file]}
+    def source_file(self, file: str) -> SourceFile:
+        """What the plan records of a file it reads."""
+        data = sum(e.nbytes for e in self.header(file).values())
+        facts = self.file_fingerprints([file])[file]
+        return SourceFile(file, facts["size"], facts["header_sha256"], data, facts.get("sha256"))
 
 
 def _row_range(e: TensorEntry, start: int, stop: int | None) -> tuple[int, int]:

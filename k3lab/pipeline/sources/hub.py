@@ -13,12 +13,15 @@ prefetched), each checked against its SHA-256 before it is converted.
   fetched; a file it did not fetch is never replaced: one line instead).
 - **Headers** are read with ranged GETs at the commit (a few MB for the whole model), so the plan
   needs no shard on disk.
-- **Shards.** A task ``acquire``s its shard: ``http.download`` fetches it by ranged GETs into a
-  download slot k3lab owns (``slots``: ``SCRATCH/k3lab-dl-KEY/``, locked by the process using it),
-  hashing as the bytes arrive; a cut download continues from its last byte (in this run or the next:
-  the key is the file's name and SHA-256); other slots of dead tasks are removed. The SHA-256 is
-  checked against the Hub's before the file takes its name; ``release`` deletes the slot. Disk
-  budget: two shards per process (the one converting, the one prefetched).
+- **Files.** A task ``acquire``s the files its output file reads, as its tensors need them:
+  ``http.download`` fetches each by ranged GETs into a download slot k3lab owns (``slots``:
+  ``SCRATCH/k3lab-dl-KEY/``, locked by the process using it), hashing as the bytes arrive; a cut
+  download continues from its last byte (in this run or the next: the key is the file's name and
+  SHA-256); other slots of dead tasks are removed. The SHA-256 is checked against the Hub's before
+  the file takes its name. Two tasks of one process that need one file share one download;
+  ``release`` deletes the slot once nobody holds it, unless the next task reads it too (``keep``:
+  at most ``KEPT`` such files wait). Disk budget per process: the files the tensor being converted
+  reads (one, two where a stack of experts straddles two files), one prefetched, one kept.
 - **Outages** (``retry``): transient failures are retried with backoff until the Hub has failed for
   ``retry_budget`` seconds in a row: then ``HubUnreachable``, exit 1. 401/403/404 are ``HubError``,
   one line, exit 2.
@@ -45,10 +48,18 @@ from k3lab.formats.files import (
     partial_path,
     remove_regular,
 )
-from k3lab.formats.safetensors import MAX_HEADER, NUMPY_DTYPE, TensorEntry
+from k3lab.formats.safetensors import INDEX_NAME, MAX_HEADER, NUMPY_DTYPE, TensorEntry
 from k3lab.pipeline.progress import NO_REPORT, Cancelled, TaskReport
 from k3lab.pipeline.sources import http
-from k3lab.pipeline.sources.base import META_LIMIT, Source, SourceError, SourceSpec, _row_range, _row_shape
+from k3lab.pipeline.sources.base import (
+    META_LIMIT,
+    Source,
+    SourceError,
+    SourceFile,
+    SourceSpec,
+    _row_range,
+    _row_shape,
+)
 from k3lab.pipeline.sources.ranges import RangeCache
 from k3lab.pipeline.sources.remote_files import FETCHED, RemoteFile, download, read_fetched, write_fetched
 from k3lab.pipeline.sources.retry import (
@@ -64,7 +75,8 @@ __all__ = ["HubError", "HubSource", "HubUnreachable", "RETRY_BUDGET", "hub_spec"
 
 WARM_THREADS = 8  # ranged reads in flight at once when a view asks for many tensors
 WINDOW = 16 << 20  # a ranged read of a tensor reads this much of it at once (bounded memory)
-PREFETCH_AHEAD = 1  # shards downloaded ahead of the one converting: at most two on disk per process
+PREFETCH_AHEAD = 1  # files downloaded ahead of the ones converting
+KEPT = 1  # files kept after their last task because the next one reads them too
 
 
 # --- the source ---------------------------------------------------------------------------------------
@@ -114,7 +126,9 @@ class HubSource(Source):
         self.meta_files, self.optional_meta = spec.meta_files, spec.optional_meta
         self._remote: dict[str, RemoteFile] | None = None
         self._slots: dict[str, Slot] = {}  # file -> its download, held by this process
-        self._pending: dict[str, Future] = {}
+        self._pending: dict[str, Future] = {}  # file -> its download in flight (a prefetch, or a task's)
+        self._prefetching: set[str] = set()
+        self._kept: list[str] = []  # files nobody holds, kept for a next task, oldest first
         self._pool: ThreadPoolExecutor | None = None
         self._closing = threading.Event()
         self._state = threading.Lock()
@@ -138,6 +152,13 @@ class HubSource(Source):
 
     def readable(self, file: str) -> bool:
         return file in self._slots  # only what this source downloaded and checked
+
+    def has_file(self, file: str) -> bool:
+        return file in self.resolve()
+
+    def _index_dirs(self) -> list[Path]:
+        """The index is the commit's, fetched into ``meta`` (none at the commit: one file, no index)."""
+        return [self.meta_dir] if INDEX_NAME in self.resolve() else []
 
     # --- the commit ---
     def resolve(self) -> dict[str, RemoteFile]:
@@ -182,9 +203,13 @@ class HubSource(Source):
             remote = self._remote.get(name) if self._remote else None
             local = self.meta_dir / name
             if remote is None:
-                if name in self.optional_meta:
-                    continue
-                raise HubError(f"{self.where(name)}: 404 not in the repo at this commit")
+                if name not in self.optional_meta:
+                    raise HubError(f"{self.where(name)}: 404 not in the repo at this commit")
+                if name in fetched:  # k3lab's copy from another commit, which had it: not this one's
+                    remove_regular(local)
+                    del fetched[name]
+                    write_fetched(fetched_path, fetched)
+                continue
             if remote.matches(local):
                 continue
             if (local.exists() or local.is_symlink()) and fetched.get(name) != remote.local_oid(
@@ -207,43 +232,66 @@ class HubSource(Source):
             fetched[name] = remote.oid
             write_fetched(fetched_path, fetched)
 
-    # --- shards ---
-    def shard_fingerprint(self, files: list[str]) -> dict[str, dict[str, Any]]:
-        """Size and SHA-256 of each shard at the pinned commit (from the one metadata call)."""
+    # --- files ---
+    def file_fingerprints(self, files: list[str]) -> dict[str, dict[str, Any]]:
+        """Size and SHA-256 of each file at the pinned commit (from the one metadata call)."""
         return {f: {"size": self.remote(f).size, "sha256": self.remote(f).oid} for f in files}
 
-    def planned_shard(self, file: str) -> dict[str, Any]:
-        size = sum(e.nbytes for e in self.header(file).values())
-        return {
-            "data_bytes": size,
-            "header_sha256": self.header_sha256(file),
-            **self.shard_fingerprint([file])[file],
-        }
+    def source_file(self, file: str) -> SourceFile:
+        data = sum(e.nbytes for e in self.header(file).values())
+        remote = self.remote(file)
+        return SourceFile(file, remote.size, self.header_sha256(file), data, remote.oid)
 
     def acquire(self, file: str, report: TaskReport = NO_REPORT) -> None:
-        """Download ``file`` (or wait for its prefetch) and check its SHA-256, ready to map."""
+        """Download ``file`` (or wait for the download of it in flight: a prefetch, another task's)
+        and check its SHA-256, ready to map until as many ``release``s."""
         with self._state:
             if file in self._slots:
+                self._hold(file)
                 return
-            pending = self._pending.pop(file, None)
-        if pending is None:
-            slot = self._fetch(file, report)
+            pending = self._pending.get(file)
+            if pending is None:
+                pending = self._pending[file] = Future()
+                pending.set_running_or_notify_cancel()
+                mine = True
+            else:
+                mine = False
+        if mine:
+            try:
+                slot = self._fetch(file, report)
+            except BaseException as e:
+                with self._state:
+                    self._pending.pop(file, None)
+                pending.set_exception(e)
+                raise
+            pending.set_result(slot)
         else:
-            while True:  # the prefetch runs in another thread: hear a stop meanwhile
+            while True:  # the download runs in another thread: hear a stop meanwhile
                 try:
                     slot = pending.result(timeout=0.25)
                     break
                 except FutureTimeout:
                     report.check()
         with self._state:
-            self._slots[file] = slot
+            self._pending.pop(file, None)
+            self._prefetching.discard(file)
+            self._slots.setdefault(file, slot)
+            self._hold(file)
+
+    def _hold(self, file: str) -> None:
+        """(under ``_state``) one more hold of a file that is here."""
+        with self._lock:
+            self._holds[file] = self._holds.get(file, 0) + 1
+        if file in self._kept:
+            self._kept.remove(file)
 
     def prefetch(self, file: str, report: TaskReport = NO_REPORT) -> None:
         with self._state:
-            if file in self._pending or file in self._slots or len(self._pending) >= PREFETCH_AHEAD:
+            if file in self._pending or file in self._slots or len(self._prefetching) >= PREFETCH_AHEAD:
                 return
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="k3lab-prefetch")
+            self._prefetching.add(file)
             self._pending[file] = self._pool.submit(self._fetch, file, report)
 
     def _fetch(self, file: str, report: TaskReport) -> Slot:
@@ -290,21 +338,36 @@ class HubSource(Source):
             url, remote, path, self.token, self.where(remote.name), report, self._closing, self.budget
         )
 
-    def release(self, file: str) -> None:
-        """Done with ``file``: close it and delete its download (``--keep-source``: keep it)."""
-        super().release(file)
+    def release(self, file: str, keep: bool = False) -> bool:
+        """Done with ``file`` (once per ``acquire``): once nobody holds it, close it and delete its
+        download (``--keep-source``: keep it on disk), unless ``keep``: a next task reads it too, so
+        it stays, one of at most ``KEPT`` (the oldest goes first)."""
+        if not super().release(file):
+            return False
+        gone = []
         with self._state:
-            slot = self._slots.pop(file, None)
-        if slot is None:
-            return
-        if self.keep and slot.kept_path.exists():
-            slot.release()
-        else:
-            slot.remove()
+            if file not in self._slots:
+                return True
+            if keep and not self._closing.is_set():
+                self._kept.append(file)
+                while len(self._kept) > KEPT:
+                    gone.append(self._kept.pop(0))
+            else:
+                gone.append(file)
+            slots = [self._slots.pop(f) for f in gone]
+        for slot in slots:
+            if self.keep and slot.kept_path.exists():
+                slot.release()
+            else:
+                slot.remove()
+        return True
 
     def close(self) -> None:
         """Stop prefetches and delete what they and whole-tensor reads left (a run that stops early)."""
         self._closing.set()
+        with self._state, self._lock:
+            self._holds.clear()
+            self._kept.clear()
         for file in list(self._acquired) + list(self._slots):
             self.release(file)
         with self._state:

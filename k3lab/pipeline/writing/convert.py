@@ -1,11 +1,12 @@
 """Convert one output file: the unit of work every runner (one process, ``--jobs``, Dask) executes.
 
-For output file k of a plan: acquire its source shard, check the shard's header is the one the
-plan was made from, write the GGUF header and tensor infos, then for each planned tensor let its
-transform's stream read the source in bounded pieces (``Reader``: mapped pages, no copy) and
-stream the output bytes to ``NAME.partial``, hashed and written on background threads; fsync,
-rename, record the hashes (``record``, written by ``folder``), release the shard. Memory is bounded
-by what the streams hold at once, which the plan forecasts per file.
+For output file k of a plan: write the GGUF header and tensor infos, then for each planned tensor
+acquire the source files it reads that are not here yet (``PlannedInputs``: each file's header
+checked against the plan's; the next file prefetched), let its transform's stream read the sources
+in bounded pieces (``Reader``: mapped pages, no copy) and stream the output bytes to
+``NAME.partial``, hashed and written on background threads, and release the files no later tensor
+reads; fsync, rename, record the hashes (``record``, written by ``folder``). Memory is bounded by
+what the streams hold at once, which the plan forecasts per file; disk by the files one tensor reads.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 
 from k3lab.formats.gguf_stream import KV, GGUFStream, split_kvs
 from k3lab.formats.safetensors import NUMPY_DTYPE, TensorEntry
-from k3lab.pipeline.planning.plan import Plan, PlanError, PlannedTensor
+from k3lab.pipeline.planning.plan import Plan, PlanError, PlannedFile, PlannedTensor
 from k3lab.pipeline.progress import NO_REPORT, TaskReport
 from k3lab.pipeline.sources.base import Source
 from k3lab.pipeline.writing.folder import OutputFolder, header_sha256
@@ -33,12 +34,26 @@ READ_FIRST = 256 << 20  # bytes read ahead at a task's start: more than the disk
 
 
 class Reader:
-    """Source tensors by name, in bounded pieces: each a read-only view of the shard's mapped pages
+    """Source tensors by name, in bounded pieces: each a read-only view of the file's mapped pages
     (no copy; the mapping goes when the piece's last user drops it: the stream, or the writer once it
-    has hashed and written it), reported to ``report`` (which stops the task once its run stopped)."""
+    has hashed and written it), reported to ``report`` (which stops the task once its run stopped).
+    ``files``: the source file holding each tensor, as a record names it (default: the entry's)."""
 
-    def __init__(self, source: Source, entries: dict[str, TensorEntry], report: TaskReport = NO_REPORT):
+    def __init__(
+        self,
+        source: Source,
+        entries: dict[str, TensorEntry],
+        report: TaskReport = NO_REPORT,
+        files: dict[str, str] | None = None,
+    ):
         self.source, self.entries, self.report = source, entries, report
+        self.files = files if files is not None else {n: e.file for n, e in entries.items()}
+
+    def open_for(self, position: int, pt: PlannedTensor) -> None:
+        """Before tensor ``position`` of a file is written: its sources are readable (here: they are)."""
+
+    def done_with(self, position: int, pt: PlannedTensor) -> None:
+        """After it is written (here: nothing to let go of)."""
 
     def _range(self, name: str, row_start: int, row_stop: int | None) -> tuple[TensorEntry, int, int, int]:
         e = self.entries[name]
@@ -71,6 +86,93 @@ class Reader:
         return buf.view(NUMPY_DTYPE[e.dtype]).reshape(shape)
 
 
+class PlannedInputs(Reader):
+    """The source files one planned output file reads, acquired as its tensors need them: before a
+    tensor, the files it reads that are not here (each file's header checked against the plan's, so
+    a file changed since planning is one line, never converted); after it, released the files no
+    later tensor reads. While one file converts the next this output reads downloads
+    (``prefetch``), and at the end the first of ``then``'s (the next task's files: kept on
+    ``release`` for it). ``acquired`` runs once the first tensor's files are here."""
+
+    def __init__(
+        self,
+        source: Source,
+        pf: PlannedFile,
+        report: TaskReport = NO_REPORT,
+        acquired: Callable[[], None] | None = None,
+        then: tuple[str, ...] = (),
+    ):
+        super().__init__(source, {}, report, {})
+        self.pf, self.acquired, self.then = pf, acquired, then
+        self.last = pf.last_use()
+        self.held: list[int] = []
+
+    def first(self) -> None:
+        """The first tensor's files, before the output file is opened: a runner's ``acquired`` hook
+        takes its slots for converting then, so no output is begun while a task waits for them."""
+        if self.pf.tensors:
+            for i in self.pf.tensors[0].files:
+                if i not in self.held:
+                    self._acquire(i)
+        if self.acquired is not None:
+            hook, self.acquired = self.acquired, None
+            hook()
+        # the disk starts on what follows while the header is written and numba's kernel loads
+        self.start(n for t in self.pf.tensors for n in t.sources if n in self.entries)
+
+    def open_for(self, position: int, pt: PlannedTensor) -> None:
+        for i in pt.files:
+            if i not in self.held:
+                self._acquire(i)
+        later = [i for t in self.pf.tensors[position:] for i in t.files if i not in self.held]
+        upcoming = [self.pf.sources[later[0]].file] if later else [f for f in self.then[:1]]
+        for file in upcoming:
+            self.source.prefetch(file, self.report)
+
+    def _acquire(self, i: int) -> None:
+        planned = self.pf.sources[i]
+        self.source.acquire(planned.file, self.report)
+        self.held.append(i)
+        entries, sha = self.source.file_header(planned.file)
+        if sha != planned.header_sha256:
+            raise PlanError(
+                f"{self.source.where(planned.file)}: header differs from the one the plan was made from "
+                "(the source changed since planning: run the command again to re-plan)"
+            )
+        self.entries.update(entries)
+        self.files.update(dict.fromkeys(entries, planned.file))
+
+    def done_with(self, position: int, pt: PlannedTensor) -> None:
+        for i in pt.files:
+            if self.last.get(i) == position and i in self.held:
+                self._release(i)
+
+    def _release(self, i: int) -> None:
+        self.held.remove(i)
+        file = self.pf.sources[i].file
+        self.source.release(file, keep=file in self.then)
+
+    def close(self) -> None:
+        """Let go of whatever is still held (a task that failed or stopped part way)."""
+        for i in list(self.held):
+            self._release(i)
+
+
+def tensor_reader(
+    source: Source, pf: PlannedFile, pt: PlannedTensor, report: TaskReport = NO_REPORT
+) -> Reader:
+    """A reader of one planned tensor's sources where they are, acquiring nothing (a Hub source
+    reads them by ranges): a view, or a check of one tensor."""
+    entries: dict[str, TensorEntry] = {}
+    files: dict[str, str] = {}
+    for i in pt.files:
+        file = pf.sources[i].file
+        found, _ = source.file_header(file)
+        entries.update(found)
+        files.update(dict.fromkeys(found, file))
+    return Reader(source, entries, report, files)
+
+
 def tensor_pieces(
     pt: PlannedTensor, reader: Reader, buffer: Callable[[int], np.ndarray] | None = None
 ) -> Iterator[np.ndarray]:
@@ -85,19 +187,20 @@ def write_tensors(
     kvs: list[KV],
     tensors: list[PlannedTensor],
     reader: Reader,
-    source_files: dict[str, str],
     before_commit: Callable[[], None] | None = None,
     file_sha256: bool = False,
 ) -> tuple[list[TensorRecord], int, str | None]:
     """Stream planned tensors into one GGUF file; returns their manifest entries and the data start.
-    ``source_files`` names the file each source tensor came from (for the record); ``before_commit``
-    may still refuse the finished file (its run stopped): it is then removed, never renamed. With
+    ``reader`` says which file each source tensor came from (for the record); ``before_commit`` may
+    still refuse the finished file (its run stopped): it is then removed, never renamed. With
     ``file_sha256``, the whole file's SHA-256 too (made as the bytes go out: an upload needs it)."""
     records = []
     with GGUFStream(path, arch, kvs, [t.info for t in tensors], before_commit, file_sha256) as g:
-        for pt in tensors:
+        for position, pt in enumerate(tensors):
+            reader.open_for(position, pt)
             offset = g.data_offset_next()
             sha = g.write(pt.name, tensor_pieces(pt, reader, g.buffer))
+            reader.done_with(position, pt)
             records.append(
                 TensorRecord(
                     pt.name,
@@ -107,7 +210,7 @@ def write_tensors(
                     offset,
                     sha,
                     pt.transform,
-                    tuple(SourceRef(n, source_files[n]) for n in pt.sources),
+                    tuple(SourceRef(n, reader.files[n]) for n in pt.sources),
                 )
             )
     return records, g.data_start, g.file_sha256
@@ -131,21 +234,10 @@ class FileResult:
 
 
 def file_kvs(plan: Plan, number: int, folder: OutputFolder) -> list[KV]:
-    """Split keys in every file; the first also carries the planned metadata and the tokenizer."""
-    kvs = split_kvs(number - 1, len(plan.files), plan.n_tensors)
+    """Split keys in every file of a split set (a set of one file has none); the first also
+    carries the planned metadata and the tokenizer."""
+    kvs = split_kvs(number - 1, len(plan.files), plan.n_tensors) if plan.split_keys else []
     return folder.load_kvs(plan) + kvs if number == 1 else kvs
-
-
-def shard_entries(plan: Plan, number: int, source: Source) -> dict[str, TensorEntry]:
-    """The acquired shard's header, which must be the one the plan was made from."""
-    pf = plan.file(number)
-    entries, sha = source.shard_header(pf.source_file)
-    if sha != pf.shard["header_sha256"]:
-        raise PlanError(
-            f"{source.where(pf.source_file)}: header differs from the one the plan was made from "
-            "(the source changed since planning: run the command again to re-plan)"
-        )
-    return entries
 
 
 def convert_file(
@@ -159,12 +251,14 @@ def convert_file(
     before_commit: Callable[[], None] | None = None,
     file_sha256: bool = False,
     acquired: Callable[[], None] | None = None,
+    then: tuple[str, ...] = (),
 ) -> FileResult:
     """Write output file ``number`` (1-based) unless a complete, matching one is already there.
-    The runner's hooks: ``acquired`` runs once the source shard is here (a runner starts the next
-    shard's download then); ``before_commit`` before the finished file is renamed into place and its
+    The runner's hooks: ``acquired`` runs once the first source files are here (a runner lets its
+    next task start then); ``before_commit`` before the finished file is renamed into place and its
     record written (a task checks there that its run still holds the folder); ``file_sha256``: hash
-    the whole file as it is written (an upload takes that hash instead of reading the file again)."""
+    the whole file as it is written (an upload takes that hash instead of reading the file again);
+    ``then``: the source files of the task after this one (prefetched, and kept when released)."""
     folder = OutputFolder(out_dir)
     pf = plan.file(number)
     t0 = time.perf_counter()
@@ -173,25 +267,14 @@ def convert_file(
         return FileResult(number, pf.filename, True, 0.0, pf.nbytes)
     kvs = file_kvs(plan, number, folder)
     path = folder.output(pf.filename)
-    source.acquire(pf.source_file, report)
+    inputs = PlannedInputs(source, pf, report, acquired, then)
     try:
-        if acquired is not None:
-            acquired()
-        entries = shard_entries(plan, number, source)
-        reader = Reader(source, entries, report)
-        reader.start(n for t in pf.tensors for n in t.sources)
+        inputs.first()
         records, data_start, whole = write_tensors(
-            path,
-            plan.model.name,
-            kvs,
-            pf.tensors,
-            reader,
-            dict.fromkeys(entries, pf.source_file),
-            before_commit,
-            file_sha256,
+            path, plan.model.name, kvs, pf.tensors, inputs, before_commit, file_sha256
         )
     finally:
-        source.release(pf.source_file)
+        inputs.close()
     if before_commit is not None:
         before_commit()  # the file is there, but no record says it is complete: a rerun redoes it
     folder.write_record(
@@ -208,7 +291,7 @@ def convert_file(
             plan_digest=pf.digest,
             basename=plan.basename,
             outtype=plan.outtype,
-            source={"file": pf.source_file, **pf.shard},
+            sources=list(pf.sources),
             identity=identity(path) or {},
             sha256=whole or "",
         )

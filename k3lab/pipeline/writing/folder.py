@@ -413,6 +413,22 @@ class OutputFolder:
         return read_manifest(data, str(path))
 
     # --- cleaning up -------------------------------------------------------------------------------
+    def retire(self, plan: Plan) -> list[str]:
+        """A new plan cuts the set into other files (another split, a new version's default): the
+        files of the earlier split k3lab recorded here go, with their records (a file is deleted only
+        when it is the one its record describes: a user's file of that name is kept). Their names."""
+        keep = {(f.number, f.filename) for f in plan.files}
+        gone = []
+        for name, rec in list(self._each_record()):
+            if rec is None or not rec.is_text or (rec.number, rec.file) in keep:
+                continue
+            path = self.output(rec.file)
+            if rec.file not in {f.filename for f in plan.files} and is_recorded_file(path, rec):
+                remove_regular(path)
+                gone.append(rec.file)
+            remove_regular(self.state / name)
+        return gone
+
     def remove_output(self, name: str) -> None:
         """Delete a finished output file once it is published (a regular file only: a symlink or
         anything else of that name is left alone)."""

@@ -8,15 +8,18 @@ redone) and what ``verify`` checks a set against. ``MANIFEST.json`` is every rec
 published repo.
 
 A record (``Record.to_json``):
-  {"format": "k3lab-manifest/2", "kind": "text" | "vision" | "tokenizer", "file": NAME, "number": k,
+  {"format": "k3lab-manifest/3", "kind": "text" | "vision" | "tokenizer", "file": NAME, "number": k,
    "size": bytes, "data_start": offset of the first tensor, "header_sha256": hex,
    "tensors": [TensorRecord: {"name", "type", "ne", "nbytes", "offset", "sha256", "transform",
                               "sources": [{"name", "file"}]}],
    text files also: "split_count", "split_tensors", "plan_digest", "basename", "outtype",
-                    "source": {"file", "size", "data_bytes", "header_sha256" (, "sha256": the Hub's)};
+                    "sources": [every source file it read: {"file", "size", "data_bytes",
+                                "header_sha256" (, "sha256": the Hub's)}];
    single files also: "key" (the record's name in .k3lab/: "mmproj", "tokenizer");
    once published: "sha256" (the whole file's)}
   offset is absolute in the file; sha256 is over the tensor's canonical GGML bytes.
+  A k3lab-manifest/2 record (k3lab before output files could read several source files) is read too:
+  its "source" is its one source file.
 
 The manifest: {"format": FORMAT, "files": [record, ...], "published": {"repo", "branch", "made",
 "commit"} (once published; "commit" only in a local copy: a repo cannot name its own commit),
@@ -34,8 +37,10 @@ from typing import Any, BinaryIO
 
 from k3lab.errors import K3LabError
 from k3lab.formats.files import InputFileError, parse_json
+from k3lab.pipeline.sources.base import SourceFile
 
-FORMAT = "k3lab-manifest/2"
+FORMAT = "k3lab-manifest/3"
+FORMATS = (FORMAT, "k3lab-manifest/2")  # the formats read (/2: one "source" file per record)
 MANIFEST_NAME = "MANIFEST.json"
 MANIFEST_LIMIT = 512 << 20  # the real set's manifest is tens of MB
 
@@ -151,7 +156,7 @@ _TEXT_FIELDS: dict[str, Any] = {
     "plan_digest": lambda v: isinstance(v, str),
     "basename": lambda v: isinstance(v, str),
     "outtype": lambda v: isinstance(v, str),
-    "source": lambda v: isinstance(v, dict),
+    "sources": lambda v: isinstance(v, list) and 1 <= len(v) <= 1_000_000,
 }
 _SINGLE_FIELDS: dict[str, Any] = {"key": lambda v: isinstance(v, str) and bool(_KEY.fullmatch(v))}
 _TENSOR_FIELDS: dict[str, Any] = {
@@ -180,7 +185,7 @@ class Record:
     plan_digest: str = ""
     basename: str = ""
     outtype: str = ""
-    source: dict[str, Any] = field(default_factory=dict)
+    sources: list[SourceFile] = field(default_factory=list)  # every source file it was made from
     # files outside the split set: the record's name in .k3lab/
     key: str = ""
     # once published: the whole file's SHA-256 (its LFS oid on the Hub)
@@ -217,7 +222,7 @@ class Record:
                 "plan_digest": self.plan_digest,
                 "basename": self.basename,
                 "outtype": self.outtype,
-                "source": self.source,
+                "sources": [s.to_json() for s in self.sources],
             }
         else:
             out["key"] = self.key
@@ -230,9 +235,11 @@ class Record:
     @classmethod
     def from_json(cls, rec: Any, where: str) -> Record:
         """A record, every field checked: anything else is one ManifestError naming ``where``."""
-        if not isinstance(rec, dict) or rec.get("format") != FORMAT:
+        if not isinstance(rec, dict) or rec.get("format") not in FORMATS:
             raise ManifestError(f"{where}: not a {FORMAT} record")
         rec = {"kind": "text", **rec}
+        if rec["format"] != FORMAT and isinstance(rec.get("source"), dict):  # (/2: one source file)
+            rec["sources"] = [rec.pop("source")]
         fields = {**_FIELDS, **(_TEXT_FIELDS if rec["kind"] == "text" else _SINGLE_FIELDS)}
         _check(fields, rec, where)
         tensors = [
@@ -252,8 +259,12 @@ class Record:
             and all(_int(v) and v >= 0 for v in ident.values())
         ):
             raise ManifestError(f"{where}: field 'identity' is malformed")
-        kept = {k: rec[k] for k in fields if k != "tensors"}
-        return cls(**kept, tensors=tensors, sha256=sha, identity=ident)
+        kept = {k: rec[k] for k in fields if k not in ("tensors", "sources")}
+        try:
+            sources = [SourceFile.from_json(s) for s in rec.get("sources", [])]
+        except ValueError as e:
+            raise ManifestError(f"{where}: field 'sources' is malformed ({e})") from None
+        return cls(**kept, tensors=tensors, sha256=sha, identity=ident, sources=sources)
 
 
 def _check_ranges(tensors: list[TensorRecord], data_start: int, size: int, where: str) -> None:

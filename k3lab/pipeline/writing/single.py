@@ -81,15 +81,9 @@ def _write_single(
     try:
         for f in files:
             source.acquire(f)
-        entries = {n: e for f in files for n, e in source.shard_header(f)[0].items()}
-        records, data_start, _ = write_tensors(
-            out,
-            single.arch,
-            kvs,
-            planned,
-            Reader(source, entries),
-            {n: source.weight_map[n] for n in entries},
-        )
+        entries = {n: e for f in files for n, e in source.file_header(f)[0].items()}
+        reader = Reader(source, entries, files={n: source.weight_map[n] for n in entries})
+        records, data_start, _ = write_tensors(out, single.arch, kvs, planned, reader)
     finally:
         for f in files:
             source.release(f)

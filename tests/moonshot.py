@@ -1,0 +1,160 @@
+"""Moonshot's own Kimi-K3 modeling code as a judge: checkpoints built by its classes and saved by
+transformers' ``save_pretrained``, in the layouts found in the wild.
+
+The code comes from PyPI's ``llmcompressor==0.14.0.1`` wheel, which ships Moonshot's files unchanged
+but for weight init (``llmcompressor/modeling/kimi_k3/``). The wheel is fetched once with ``pip
+download`` into ``~/.cache/k3lab/`` and its ``kimi_k3`` files (and the one ``moe/context.py`` they
+import) are imported from there, under stand-in parent packages, so that the package's own
+``__init__`` (which pulls in its training stack) never runs. The KDA layers construct two modules
+of flash-linear-attention (GPU only); stand-ins hold the same parameters (``ShortConvolution``: a
+``weight`` [C, 1, K], ``FusedRMSNormGated``: a ``weight`` [head_dim]) and are never run. Nothing of
+this is copied into k3lab.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+WHEEL = "llmcompressor==0.14.0.1"
+CACHE = Path(os.environ.get("K3LAB_JUDGE_CACHE", Path.home() / ".cache" / "k3lab")) / "llmcompressor-0.14.0.1"
+PACKAGE = "llmcompressor.modeling.kimi_k3"
+
+
+def _unpacked() -> Path:
+    """The wheel's kimi_k3 files, unpacked once (``pip download`` fetches the wheel)."""
+    root = CACHE / "src"
+    if (root / "llmcompressor/modeling/kimi_k3/modeling_kimi_k3.py").exists():
+        return root
+    CACHE.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(CACHE.glob("llmcompressor-0.14.0.1-*.whl"))
+    if not wheels:
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(CACHE), WHEEL],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        wheels = sorted(CACHE.glob("llmcompressor-0.14.0.1-*.whl"))
+        if done.returncode or not wheels:
+            pytest.skip(f"cannot fetch {WHEEL} (Moonshot's modeling code): {done.stderr.strip()[-200:]}")
+    tmp = CACHE / "src.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with zipfile.ZipFile(wheels[0]) as z:
+        for name in z.namelist():
+            if name.startswith(("llmcompressor/modeling/kimi_k3/", "llmcompressor/modeling/moe/context.py")):
+                z.extract(name, tmp)
+    os.replace(tmp, root)
+    return root
+
+
+def modeling() -> types.SimpleNamespace:
+    """Moonshot's modules (``config``, ``text``, ``model``, ``vision_processing``), importable here."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    root = _unpacked()
+    for name in ("llmcompressor", "llmcompressor.modeling", "llmcompressor.modeling.moe"):
+        if name not in sys.modules:
+            stand_in = types.ModuleType(name)
+            stand_in.__path__ = [str(root / name.replace(".", "/"))]
+            sys.modules[name] = stand_in
+    with contextlib.redirect_stderr(open(os.devnull, "w")):  # (its "install fla" warning)
+        text = importlib.import_module(f"{PACKAGE}.modeling_kimi_linear")
+        model = importlib.import_module(f"{PACKAGE}.modeling_kimi_k3")
+    config = importlib.import_module(f"{PACKAGE}.configuration_kimi_k3")
+
+    class ShortConvolution(torch.nn.Module):  # fla's: a depthwise conv1d's weight, no bias
+        def __init__(self, hidden_size: int, kernel_size: int, **_: Any):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(hidden_size, 1, kernel_size))
+
+    class FusedRMSNormGated(torch.nn.Module):  # fla's: a gated RMSNorm's weight
+        def __init__(self, hidden_size: int, **_: Any):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+
+    text.ShortConvolution, text.FusedRMSNormGated = ShortConvolution, FusedRMSNormGated
+    processing = importlib.import_module(f"{PACKAGE}.kimi_k3_vision_processing")
+    return types.SimpleNamespace(config=config, text=text, model=model, vision_processing=processing)
+
+
+def build(raw: dict[str, Any], seed: int = 0, dtype: str = "bfloat16") -> Any:
+    """A ``KimiK3ForConditionalGeneration`` made from config.json's dict by Moonshot's classes, its
+    weights drawn from ``seed`` (norms near one, matrices N(0, 1/sqrt(fan_in)), the KDA log-decays as
+    Moonshot initialises them), in ``dtype``; the vision tower's attention set to eager (its only CPU
+    path)."""
+    import torch
+
+    m = modeling()
+    raw = json.loads(json.dumps(raw))
+    cfg = m.config.KimiK3Config(**raw)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        net = m.model.KimiK3ForConditionalGeneration(cfg)
+        for name, p in net.named_parameters():
+            if name.endswith(
+                ("norm.weight", "norm0.weight", "norm1.weight", "layernorm.weight", "o_norm.weight")
+            ):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p, dtype=torch.float32))
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty_like(p, dtype=torch.float32).uniform_(1, 16)))
+            elif p.dim() == 1:
+                p.copy_(0.1 * torch.randn_like(p, dtype=torch.float32))
+            else:
+                fan_in = p[0].numel()
+                p.copy_(torch.randn_like(p, dtype=torch.float32) / fan_in**0.5)
+    net = net.to(getattr(torch, dtype))
+    for layer in net.vision_tower.encoder.blocks:
+        layer.attn_implementation = "eager"
+    return net.eval()
+
+
+def save(net: Any, out: Path, layout: str, tokenizer_from: Path | None = None) -> Path:
+    """``net`` saved as transformers saves it: ``one-file`` (``save_pretrained`` below its shard
+    size: one model.safetensors, no index), ``by-size:BYTES`` (its size-based shards, a layer's
+    tensors across files), or ``per-layer`` (Moonshot's layout: ``save_pretrained``'s tensors
+    regrouped a layer per file with the safetensors library). ``tokenizer_from``: a folder whose
+    tokenizer files are copied beside it (the classes make no tokenizer)."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    if layout.startswith("by-size:"):
+        net.save_pretrained(out, max_shard_size=int(layout.split(":")[1]))
+    else:
+        net.save_pretrained(out, max_shard_size=1 << 40)
+    if layout == "per-layer":
+        tensors = load_file(out / "model.safetensors")
+        (out / "model.safetensors").unlink()
+
+        def unit(name: str) -> str:
+            if ".layers." in name:
+                return f"{int(name.split('.layers.')[1].split('.')[0]):05d}"
+            return "99998" if name.startswith("language_model.") else "99999-" + name.split(".")[0]
+
+        units = sorted({unit(n) for n in tensors})
+        weight_map = {}
+        for k, u in enumerate(units, start=1):
+            file = f"model-{k:05d}-of-{len(units):06d}.safetensors"
+            save_file(
+                {n: t for n, t in tensors.items() if unit(n) == u}, out / file, metadata={"format": "pt"}
+            )
+            weight_map |= {n: file for n in tensors if unit(n) == u}
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}}
+        index["weight_map"] = dict(sorted(weight_map.items()))
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if tokenizer_from is not None:
+        for name in ("tiktoken.model", "tokenizer_config.json", "preprocessor_config.json"):
+            if (tokenizer_from / name).exists():
+                shutil.copy(tokenizer_from / name, out / name)
+    return out
