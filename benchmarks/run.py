@@ -53,7 +53,7 @@ import numpy as np
 
 from k3lab.formats import mxfp4
 from k3lab.kimi_k3.model import MODEL
-from k3lab.pipeline.writing.folder import OutputFolder
+from k3lab.pipeline.state import OutputFolder
 
 ROWS: dict[str, Callable[[], list[tuple[str, str, str]]]] = {}
 
@@ -201,14 +201,14 @@ FULL_TASK_SETUP = """
 import sys, time
 t0 = time.perf_counter()
 from k3lab.pipeline.writing.convert import PlannedInputs, file_kvs
-from k3lab.pipeline.writing.folder import OutputFolder
+from k3lab.pipeline.state import OutputFolder
 from k3lab.pipeline.sources import open_source
 from k3lab.pipeline.sources.base import SourceSpec
 out, src, k = sys.argv[1], sys.argv[2], int(sys.argv[3])
 t1 = time.perf_counter()
 folder = OutputFolder(out)
 from k3lab.kimi_k3.model import MODEL
-plan = folder.require_plan(MODEL)
+plan = folder.plans.require(MODEL)
 source = open_source(SourceSpec.local(src))
 PlannedInputs(source, plan.file(k)).first()  # its first source file, its header checked
 kvs = file_kvs(plan, k, folder)
@@ -307,7 +307,7 @@ def bench_fullscale() -> list[tuple[str, str, str]]:
             )
         )
 
-        saved = OutputFolder(out).require_plan(MODEL)
+        saved = OutputFolder(out).plans.require(MODEL)
         forecast = {f.number: f.memory for f in saved.files}
         nbytes = {f.number: f.nbytes for f in saved.files}
         kinds = {
@@ -639,9 +639,9 @@ def sparse_set(full: Path, out: Path) -> Path:
 
     from k3lab import request
     from k3lab.formats.gguf_stream import ALIGNMENT
+    from k3lab.pipeline.state import OutputFolder
+    from k3lab.pipeline.state.record import Record, TensorRecord, write_manifest
     from k3lab.pipeline.writing.convert import file_kvs
-    from k3lab.pipeline.writing.folder import OutputFolder
-    from k3lab.pipeline.writing.record import Record, TensorRecord, write_manifest
 
     plan = request.plan(request.Request(meta=str(full), out_dir=str(out)))
     folder = OutputFolder(out)

@@ -22,7 +22,7 @@ from k3lab.errors import K3LabError
 from k3lab.pipeline.model import Model
 from k3lab.pipeline.publishing.publish import COMMIT_EVERY, Publication
 from k3lab.pipeline.publishing.upload import PushTarget
-from k3lab.pipeline.writing.record import MANIFEST_NAME, Record
+from k3lab.pipeline.state.record import MANIFEST_NAME, Record
 
 CARD_NAME, TENSOR_MAP_NAME = "README.md", "TENSOR_MAP.md"
 SCALAR_TYPES = (str, int, float, bool)
@@ -69,9 +69,9 @@ def source_license(repo: str, endpoint: str | None, token: str | None) -> dict[s
     try:
         from huggingface_hub import HfApi
 
-        from k3lab.pipeline.sources import http
+        from k3lab.pipeline.hub import transport
 
-        http.install()
+        transport.install()
         card = HfApi(endpoint=endpoint, token=token).model_info(repo).card_data
     except Exception:  # the card is a courtesy: any failure reading it means "not said"
         return {"license": "unknown"}

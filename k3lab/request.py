@@ -94,17 +94,17 @@ class Request:
             raise K3LabError("--meta: give the folder of config.json, the index and the tokenizer files")
         model = self.load_model()
         if self.repo:
-            from huggingface_hub import constants, get_token
-
+            from k3lab.pipeline.hub.env import hub_env
             from k3lab.pipeline.sources.hub import hub_spec
 
+            env = hub_env()
             return hub_spec(
                 self.meta,
                 self.repo,
                 revision=self.revision,
                 scratch=self.scratch or scratch,
-                endpoint=constants.ENDPOINT,
-                token=get_token(),
+                endpoint=env.endpoint,
+                token=env.token,
                 keep_source=self.keep_source,
                 retry_budget=self.retry_budget,
                 meta_files=model.meta_files,
@@ -116,7 +116,7 @@ class Request:
 
     def output_source(self) -> SourceSpec:
         """The source of a command that writes an output folder: downloads in its scratch."""
-        from k3lab.pipeline.writing.folder import OutputFolder
+        from k3lab.pipeline.state import OutputFolder
 
         return self.source(OutputFolder(self.out_dir).scratch if self.out_dir else None)
 
@@ -124,7 +124,7 @@ class Request:
         """``RunOptions`` and the line saying which chat template is embedded."""
         from k3lab.pipeline.planning.split import make_split
         from k3lab.pipeline.running.runner import RunOptions
-        from k3lab.pipeline.writing.folder import check_basename
+        from k3lab.values import basename as check_basename
 
         model = self.load_model()
         if self.name is not None:
@@ -142,16 +142,14 @@ class Request:
                 if getattr(self, flag) not in (None, False):
                     raise K3LabError(f"--{flag.replace('_', '-')} is for publishing: it needs --push-to")
             return None
-        from huggingface_hub import constants, get_token
-
         from k3lab.card import publication
+        from k3lab.pipeline.hub.env import hub_env
         from k3lab.pipeline.publishing.upload import PushTarget
-        from k3lab.pipeline.sources.retry import RETRY_BUDGET
 
-        budget = RETRY_BUDGET if self.retry_budget is None else self.retry_budget
+        env = hub_env(self.retry_budget)
         branch = self.push_branch or "main"
         target = PushTarget(
-            self.push_to, branch, self.private, self.keep_local, constants.ENDPOINT, get_token(), budget
+            self.push_to, branch, self.private, self.keep_local, env.endpoint, env.token, env.budget
         )
         made = publication(self.load_model(), target, self.commit_every, self.force)
         if not self.text_only and self.out_dir:
@@ -161,7 +159,7 @@ class Request:
     def _singles(self, run_token: str) -> list[Any]:
         """The files a published run makes beside its split set, as part of the run: the standalone
         tokenizer GGUF and the model's single file (the mmproj); their records."""
-        from k3lab.pipeline.writing.folder import OutputFolder
+        from k3lab.pipeline.state import OutputFolder
         from k3lab.pipeline.writing.single import convert_single, convert_tokenizer
 
         model, folder = self.load_model(), OutputFolder(self.out_dir or "")
@@ -176,7 +174,7 @@ class Request:
             out = folder.output(f"mmproj-{base}-BF16.gguf")
             convert_single(model, self.output_source(), out, run_token)
             made.append(model.single.key)
-        records = [folder.read_record(f"{key}.json") for key in made]
+        records = [folder.records.read(f"{key}.json") for key in made]
         return [r for r in records if r is not None]
 
 
@@ -211,7 +209,7 @@ def plan(req: Request, say: Say | None = None) -> Any:
     """The plan of converting the request's source (saved in ``out_dir`` when given, as convert would)."""
     from k3lab.pipeline.planning.planner import build_plan
     from k3lab.pipeline.running.runner import start_run
-    from k3lab.pipeline.writing.folder import check_basename
+    from k3lab.values import basename as check_basename
 
     model = req.load_model()
     options, _ = req.run_options()
@@ -300,15 +298,13 @@ def verify(
     picked = bool(every or sample or tensors)
     choice = Choice(every, sample, tensors, seed) if picked or remote else None
     if remote:
-        from huggingface_hub import constants, get_token
-
         from k3lab.pipeline.checking.hub_set import verify_at
-        from k3lab.pipeline.sources.retry import RETRY_BUDGET
+        from k3lab.pipeline.hub.env import hub_env
 
-        budget = RETRY_BUDGET if req.retry_budget is None else req.retry_budget
+        env = hub_env(req.retry_budget)
         with contextlib.ExitStack() as stack:
             source = stack.enter_context(opened_source(req)) if rederive else None
-            args = (req.out_dir or "", set_revision, constants.ENDPOINT, get_token(), budget)
+            args = (req.out_dir or "", set_revision, env.endpoint, env.token, env.budget)
             report = verify_at(*args, choice=choice, model=req.load_model(), source=source)
     else:
         with scratch(req) as tmp:
@@ -318,7 +314,7 @@ def verify(
 
 
 def vision(req: Request, out: str) -> Path:
-    from k3lab.pipeline.writing.folder import OutputFolder
+    from k3lab.pipeline.state import OutputFolder
     from k3lab.pipeline.writing.single import convert_single
 
     return convert_single(req.load_model(), req.source(OutputFolder(Path(out).parent).scratch), out)

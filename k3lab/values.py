@@ -21,6 +21,17 @@ class ValueProblem(K3LabError):
     """A value that cannot mean anything here; the message names the flag."""
 
 
+def basename(name: str, flag: str = "--name") -> str:
+    """An output basename: a plain file-name stem (letters, digits, ``.``, ``_``, ``-``; not starting
+    with a dot), never a path: files are written inside the output folder."""
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}", name or ""):
+        raise ValueProblem(
+            f"{flag} {name!r}: give a plain name (letters, digits, '.', '_', '-'), not a path; "
+            "files are written inside --out-dir"
+        )
+    return name
+
+
 def count(value: object, low: int, high: int, flag: str) -> int:
     """A whole number in [low, high] (text in ASCII digits, or an int)."""
     text = str(value).strip()

@@ -361,14 +361,14 @@ def test_a_copied_folder_is_proven_once_by_its_bytes(
 ) -> None:
     """A copy has new inodes: every file is re-hashed against its record (and found complete), and
     its new identity recorded, so the next run trusts it at once."""
-    from k3lab.pipeline.writing.folder import OutputFolder
+    from k3lab.pipeline.state import OutputFolder
 
     out = tmp_path / "copy"
     shutil.copytree(tiny_out, out)
     capsys.readouterr()
     assert main(["convert", "--meta", str(tiny_src), "--out-dir", str(out), "--quiet"]) == 0
     assert "0 written, 9 already complete" in capsys.readouterr().out
-    for rec in OutputFolder(out).records():
+    for rec in OutputFolder(out).records.all():
         if rec.is_text:
             st = os.stat(out / rec.file)
             assert rec.identity == {

@@ -35,7 +35,12 @@ class Source:
 
     def __init__(self, root: Path):
         self.root = root
-        self.index = json.loads((root / "model.safetensors.index.json").read_text())["weight_map"]
+        index = root / "model.safetensors.index.json"
+        if index.exists():
+            self.index = json.loads(index.read_text())["weight_map"]
+        else:  # one model.safetensors: every tensor is in it
+            with safe_open(str(root / "model.safetensors"), framework="numpy") as f:
+                self.index = dict.fromkeys(f.keys(), "model.safetensors")
 
     def raw(self, name: str) -> np.ndarray:
         with safe_open(str(self.root / self.index[name]), framework="numpy") as f:
@@ -237,14 +242,14 @@ def test_conversions_in_threads_of_one_process_give_identical_files(
     from k3lab.kimi_k3.model import MODEL
     from k3lab.pipeline.running.task import Task, run_task
     from k3lab.pipeline.sources.base import SourceSpec
-    from k3lab.pipeline.writing.folder import OutputFolder
+    from k3lab.pipeline.state import OutputFolder
 
     spec = SourceSpec.local(tiny_src)
     task = Task(MODEL, str(tmp_path), spec, saved_plan(tiny_src, tmp_path).inputs_digest)
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda k: run_task(task, k), range(1, 10)))
     assert sorted(r.number for r in results) == list(range(1, 10))
-    OutputFolder(tmp_path).merge()
+    OutputFolder(tmp_path).records.merge()
     for a, b in zip(_files(tiny_out), _files(tmp_path), strict=True):
         assert a.read_bytes() == b.read_bytes(), a.name
     assert json.loads((tmp_path / "MANIFEST.json").read_text()) == json.loads(
@@ -298,7 +303,7 @@ def test_killed_run_resumes_to_identical_files(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def testmodel_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("testmodel") / "src"
-    assert main(["synth", "--preset", "tiny-f32", "--out", str(out)]) == 0
+    assert main(["synth", "--preset", "tiny-f32", "--layout", "one-file", "--out", str(out)]) == 0
     return out
 
 
@@ -311,7 +316,7 @@ def test_unquantized_source_with_outtype(
 ) -> None:
     assert convert(testmodel_src, tmp_path, "--outtype", outtype, per_layer=False) == 0
     files = sorted(tmp_path.glob("*.gguf"))  # one file, named as upstream's converter names it
-    assert [f.name for f in files] == [f"Kimi-K3-2.7M-{label}.gguf"]
+    assert [f.name for f in files] == [f"Kimi-K3-8x1.8M-{label}.gguf"]
     assert not [k for k in gguf.GGUFReader(files[0]).fields if k.startswith("split.")]
     src = Source(testmodel_src)
     by_name = {t.name: t for f in files for t in gguf.GGUFReader(f).tensors}

@@ -148,7 +148,7 @@ def test_two_converts_on_one_folder_never_corrupt_it(tiny_src: Path, tmp_path: P
 
 
 def test_a_second_run_is_refused_while_the_first_holds_the_folder(tiny_src: Path, tmp_path: Path) -> None:
-    from k3lab.pipeline.writing.folder import OutputFolder
+    from k3lab.pipeline.state import OutputFolder
 
     out = tmp_path / "out"
     with OutputFolder(out).hold():  # this test process is "the first run"

@@ -26,7 +26,7 @@ from k3lab.synth import synthesize
 from k3lab.synth.presets import tiny_config
 
 LAYOUTS = ("moonshot", "one-file", "by-size:700000")
-ONE = "Kimi-K3-2.8M-MXFP4.gguf"  # tiny in one file: name, size label, type, as upstream names it
+ONE = "Kimi-K3-8x1.9M-MXFP4.gguf"  # tiny in one file: name, size label, type, as upstream names it
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +304,7 @@ def test_moonshots_own_checkpoints_convert_in_every_layout(
     out = tmp_path / "out"
     assert convert(src, out, per_layer=False) == 0
     (path,) = sorted(out.glob("*.gguf"))
-    assert path.name == "Kimi-K3-2.8M-BF16.gguf"
+    assert path.name == "Kimi-K3-8x1.9M-BF16.gguf"
     cfg = json.loads((src / "config.json").read_text())
     judge, seen = StateDict(moonshot_net), 0
     for t in gguf.GGUFReader(path).tensors:
@@ -418,3 +418,60 @@ def test_size_shards_on_the_hub_keep_a_file_the_next_task_reads(
     assert convert(src, local) == 0
     assert _ggufs(tmp_path / "out") == _ggufs(local)
     assert not list((tmp_path / "scratch").rglob("*.safetensors"))
+
+
+def test_kill_9_on_size_shards_resumes_to_identical_files(sources: dict[str, Path], tmp_path: Path) -> None:
+    """kill -9 of a run on size shards after its k-th rename (a file done, its record not yet, the
+    next begun): the rerun finishes the set, byte-identical to a clean one."""
+    from test_trust import KILL_AT
+
+    src = sources["by-size:700000"]
+    clean = tmp_path / "clean"
+    assert convert(src, clean) == 0
+    for point in (4, 9):
+        out = tmp_path / f"killed-{point}"
+        args = ["convert", "--meta", str(src), "--out-dir", str(out), "--quiet", *PER_LAYER]
+        run = subprocess.run(
+            [sys.executable, "-c", KILL_AT, str(point), *args], capture_output=True, timeout=120
+        )
+        assert run.returncode == -9, run.stderr
+        assert convert(src, out) == 0
+        assert _ggufs(out) == _ggufs(clean), point
+        assert not list(out.rglob("*.partial"))
+
+
+def test_dask_workers_that_share_nothing_publish_size_shards_from_the_hub(
+    sources: dict[str, Path], tmp_path: Path
+) -> None:
+    """Size shards on the Hub, a layer per output file, two `dask worker`s with folders of their own
+    publishing each file: the repo holds the local conversion's bytes, and `verify ORG/NAME` re-derives
+    every tensor from the source's ranges."""
+    from dask_helpers import dask_cluster
+
+    src = sources["by-size:700000"]
+    local = tmp_path / "local"
+    assert convert(src, local) == 0
+    with dask_cluster(tmp_path) as (address, _), HubServer(src) as hub:
+        _hub_convert(
+            hub, tmp_path, *PER_LAYER, "--scheduler", address, "--push-to", "k3lab-test/sized", "--text-only"
+        )
+        pushed = {p: d for p, d in hub.files_of("k3lab-test/sized").items() if p.endswith(".gguf")}
+        check = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "k3lab.cli",
+                "verify",
+                "k3lab-test/sized",
+                "--all",
+                "--repo",
+                "moonshotai/Kimi-K3",
+            ]
+            + ["--meta", str(tmp_path / "meta"), "--quiet"],
+            env=hub.client_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert pushed == _ggufs(local)
+    assert check.returncode == 0 and "verify OK" in check.stdout, check.stdout + check.stderr

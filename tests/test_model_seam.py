@@ -18,7 +18,7 @@ from k3lab.pipeline.checking.verify import verify
 from k3lab.pipeline.planning.split import make_split
 from k3lab.pipeline.running.runner import RunOptions, convert_shards
 from k3lab.pipeline.sources.base import SourceSpec
-from k3lab.pipeline.writing.folder import OutputFolder
+from k3lab.pipeline.state import OutputFolder
 
 PACKAGE = Path(__file__).resolve().parent.parent / "k3lab"
 
@@ -37,7 +37,7 @@ def _imports(path: Path) -> set[str]:
 def test_the_pipeline_and_formats_import_no_model(layer: str) -> None:
     """Every import, at the top or inside a function: none of the model, the front or synth."""
     banned = ("k3lab.kimi_k3", "k3lab.synth", "k3lab.cli", "k3lab.explore", "k3lab.demo", "k3lab.plots")
-    banned += ("k3lab.request", "k3lab.card", "k3lab.tensor_map", "k3lab.values")
+    banned += ("k3lab.request", "k3lab.card", "k3lab.tensor_map")  # (values.py: user values, no front)
     paths = sorted((PACKAGE / layer).rglob("*.py"))
     assert len(paths) > 5
     for path in paths:
@@ -99,7 +99,9 @@ def test_a_second_architecture_plans_converts_resumes_and_verifies(tmp_path: Pat
     # verify: the bytes, the folder's plan, and every tensor re-derived from the source
     report = verify(out, model=toy_model.MODEL, source=spec, quiet=True)
     assert report.ok, report.problems
-    assert report.files == 3 and report.tensors == sum(len(rr.tensors) for rr in OutputFolder(out).records())
+    assert report.files == 3 and report.tensors == sum(
+        len(rr.tensors) for rr in OutputFolder(out).records.all()
+    )
 
     # and it fails where it should: one byte of the MXFP4 stack flipped
     path = out / names[0]
@@ -119,8 +121,8 @@ def test_a_toy_plan_is_never_taken_for_a_kimi_plan(tmp_path: Path) -> None:
     out = tmp_path / "out"
     convert_shards(toy_model.MODEL, SourceSpec.local(src), out, quiet=True, options=RunOptions())
     folder = OutputFolder(out)
-    assert folder.load_plan(toy_model.MODEL) is not None
-    assert folder.load_plan(KIMI) is None  # another model's plan reads as absent
+    assert folder.plans.load(toy_model.MODEL) is not None
+    assert folder.plans.load(KIMI) is None  # another model's plan reads as absent
     digest = hashlib.sha256((out / "Toy-64K-MXFP4.gguf").read_bytes()).hexdigest()
     assert len(digest) == 64
 
@@ -222,13 +224,13 @@ def test_no_import_cycles_not_even_inside_functions() -> None:
 def test_one_owner_of_each_name_on_disk() -> None:
     """The manifest's name, the partial suffix, the scratch and worker folders: each spelled in one module."""
     owners = {
-        '"MANIFEST.json"': "k3lab/pipeline/writing/record.py",
+        '"MANIFEST.json"': "k3lab/pipeline/state/record.py",
         '.partial"': "k3lab/formats/files.py",
-        '/ "scratch"': None,  # (SCRATCH_NAME in writing/folder.py is the one default)
-        "SCRATCH_NAME = ": "k3lab/pipeline/writing/folder.py",
+        '/ "scratch"': None,  # (SCRATCH_NAME in state/names.py is the one default)
+        "SCRATCH_NAME = ": "k3lab/pipeline/state/names.py",
         '"k3lab-dl-"': "k3lab/pipeline/sources/slots.py",
-        '"k3lab-state/1"': "k3lab/pipeline/writing/folder.py",
-        'f"out-{': "k3lab/pipeline/writing/folder.py",
+        '"k3lab-state/1"': "k3lab/pipeline/state/codec.py",
+        'f"out-{': "k3lab/pipeline/running/task.py",
     }
     for spelling, owner in owners.items():
         found = sorted(

@@ -11,9 +11,9 @@ import pytest
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
 from k3lab.errors import K3LabError
+from k3lab.pipeline.hub.retry import HubError, HubUnreachable, is_transient, with_retries
+from k3lab.pipeline.hub.transport import TooSlow, progress_that_counts
 from k3lab.pipeline.progress import TaskReport
-from k3lab.pipeline.sources.http import TooSlow, progress_that_counts
-from k3lab.pipeline.sources.retry import HubError, HubUnreachable, is_transient, with_retries
 
 
 def _http(status: int, headers: dict[str, str] | None = None) -> HfHubHTTPError:

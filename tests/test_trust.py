@@ -298,7 +298,7 @@ def test_a_plan_whose_bytes_changed_reads_as_absent(drawn: Path, tmp_path: Path,
     from k3lab.kimi_k3.model import MODEL
     from k3lab.pipeline.running.runner import prepare
     from k3lab.pipeline.sources.base import SourceSpec
-    from k3lab.pipeline.writing.folder import OutputFolder
+    from k3lab.pipeline.state import OutputFolder
 
     out = tmp_path / "out"
     assert _convert(drawn, out, "--shards", "1") == 0
@@ -311,7 +311,7 @@ def test_a_plan_whose_bytes_changed_reads_as_absent(drawn: Path, tmp_path: Path,
         magic, kind, _ = head.split(b" ")
         head = b" ".join([magic, kind, hashlib.sha256(body).hexdigest().encode()])
     path.write_bytes(head + b"\n" + body)
-    loaded = OutputFolder(out).load_plan(MODEL)
+    loaded = OutputFolder(out).plans.load(MODEL)
     assert (loaded is None) != forge
     plan_now, kvs = prepare(MODEL, SourceSpec.local(drawn), out)
     assert kvs is not None, "the edited plan was reused"

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from k3lab.pipeline.model import Model
-from k3lab.pipeline.writing.folder import OutputFolder
+from k3lab.pipeline.state import OutputFolder
 
 
 def manifest_summary(out_dir: str | Path, model: Model | None = None) -> list[dict[str, Any]]:
@@ -15,7 +15,7 @@ def manifest_summary(out_dir: str | Path, model: Model | None = None) -> list[di
     saved plan has but the manifest does not are listed as not converted."""
     folder = OutputFolder(out_dir)
     rows = []
-    for rec in folder.read_manifest().records:
+    for rec in folder.records.manifest().records:
         types = Counter(t.type for t in rec.tensors)
         sources = sorted({src.file for t in rec.tensors for src in t.sources})
         on_disk = folder.output(rec.file).exists()
@@ -34,7 +34,7 @@ def manifest_summary(out_dir: str | Path, model: Model | None = None) -> list[di
         from k3lab.request import Request
 
         model = Request().load_model()
-    plan = folder.load_plan(model)
+    plan = folder.plans.load(model)
     if plan is None:
         return rows
     listed = {r["file"] for r in rows}
@@ -78,13 +78,12 @@ def verify(
 def repo_summary(repo: str, revision: str | None = None) -> list[dict[str, Any]]:
     """Per file of a GGUF set on the Hub, from its header alone (read by ranges): tensors, bytes,
     types, and its split number."""
-    from huggingface_hub import constants, get_token
-
     from k3lab.pipeline.checking.hub_set import open_repo
     from k3lab.pipeline.checking.remote import read_header, split_sets
-    from k3lab.pipeline.sources.retry import RETRY_BUDGET
+    from k3lab.pipeline.hub.env import hub_env
 
-    files = open_repo(repo, revision, constants.ENDPOINT, get_token(), RETRY_BUDGET)
+    env = hub_env()
+    files = open_repo(repo, revision, env.endpoint, env.token, env.budget)
     rows = []
     for names in split_sets(sorted(files.sizes)).values():
         for name in names:

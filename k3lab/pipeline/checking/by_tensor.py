@@ -12,14 +12,14 @@ import gguf
 
 from k3lab.formats.files import hash_span
 from k3lab.pipeline.checking.report import Report
-from k3lab.pipeline.writing.record import ManifestError
+from k3lab.pipeline.state.record import ManifestError
 
 
 def kit_view(manifest: str | Path | None) -> dict[str, Any] | None:
     """A manifest in the seed kit's format (``{"tensors": {NAME: {"sha256", "type", "ne"}}}`` and no
     k3lab records): its tensors by name; None for a k3lab manifest (or none)."""
     from k3lab.formats.files import InputFileError, parse_json, read_bounded
-    from k3lab.pipeline.writing.record import MANIFEST_LIMIT
+    from k3lab.pipeline.state.record import MANIFEST_LIMIT
 
     if manifest is None:
         return None

@@ -22,10 +22,10 @@ import numpy as np
 from k3lab.errors import K3LabError
 from k3lab.pipeline.checking.remote import Header, read_header, split_sets, tensor_pieces
 from k3lab.pipeline.checking.report import Report
+from k3lab.pipeline.hub import transport
+from k3lab.pipeline.hub.retry import RETRY_BUDGET, with_retries
 from k3lab.pipeline.model import Model
-from k3lab.pipeline.sources import http
-from k3lab.pipeline.sources.retry import RETRY_BUDGET, with_retries
-from k3lab.pipeline.writing.record import (
+from k3lab.pipeline.state.record import (
     MANIFEST_LIMIT,
     MANIFEST_NAME,
     Manifest,
@@ -73,11 +73,11 @@ class RepoFiles:
     read: int = 0
 
     def fetch(self, file: str, start: int, stop: int) -> bytes:
-        url = http.file_url(self.repo, file, self.commit, self.endpoint)
+        url = transport.file_url(self.repo, file, self.commit, self.endpoint)
         where = f"{self.repo}@{self.commit[:12]}: {file}"
         data = with_retries(
             where,
-            lambda: http.fetch_range(url, start, stop, self.sizes[file], self.token, where),
+            lambda: transport.fetch_range(url, start, stop, self.sizes[file], self.token, where),
             self.budget,
         )
         self.read += len(data)
@@ -89,7 +89,7 @@ def open_repo(
 ) -> RepoFiles:
     from huggingface_hub import HfApi
 
-    http.install()
+    transport.install()
     api = HfApi(endpoint=endpoint, token=token)
     info = with_retries(
         f"{repo}@{revision or 'main'}",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3lab.pipeline.writing.proof import Problem
+from k3lab.pipeline.state.proof import Problem
 
 SUMMARY_LINES = 5  # a damaged set is told in at most this many lines
 

@@ -25,9 +25,9 @@ from k3lab.pipeline.model import Model
 from k3lab.pipeline.progress import TaskReport
 from k3lab.pipeline.sources import open_source
 from k3lab.pipeline.sources.base import SourceSpec
-from k3lab.pipeline.writing.folder import OutputFolder
-from k3lab.pipeline.writing.proof import Problem, check_bytes
-from k3lab.pipeline.writing.record import ManifestError, Record
+from k3lab.pipeline.state import OutputFolder
+from k3lab.pipeline.state.proof import Problem, check_bytes
+from k3lab.pipeline.state.record import ManifestError, Record
 
 SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = (
     gguf.Keys.Split.LLM_KV_SPLIT_NO,
@@ -42,11 +42,11 @@ def load_manifest(out_dir: Path, manifest: str | Path | None) -> list[Record]:
     folder = OutputFolder(out_dir)
     path = Path(manifest) if manifest else folder.manifest
     if path.exists() or manifest:
-        return folder.read_manifest(path).records
-    damaged = folder.damaged_records()
+        return folder.records.manifest(path).records
+    damaged = folder.records.damaged()
     if damaged:
         raise ManifestError(f"{folder.state / damaged[0]}: damaged or edited record (its digest differs)")
-    records = folder.records()
+    records = folder.records.all()
     if not records:
         raise ManifestError(f"{path}: no manifest (convert writes it; or pass --manifest)")
     return records
@@ -212,7 +212,7 @@ def _check_set(
                 report.add(
                     "unlisted", "", f"... and {len(gone) - MAX_LISTED} more split files not in the manifest"
                 )
-    plan = folder.load_plan(model) if model is not None else None
+    plan = folder.plans.load(model) if model is not None else None
     if plan is None or len(plan.files) != count:
         return
     for r in texts:
@@ -246,7 +246,7 @@ def _rederive(
 
     if not records:
         return
-    saved = OutputFolder(out_dir).load_plan(model)
+    saved = OutputFolder(out_dir).plans.load(model)
     options = saved.inputs.get("options", {}) if saved is not None else {}
     source = open_source(spec, fresh=True)
     source.fetch_meta()

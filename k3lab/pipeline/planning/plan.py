@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -264,17 +266,22 @@ def output_filename(basename: str, label: str, number: int, count: int, size_lab
     return f"{basename}-{label}-{number:05d}-of-{count:05d}.gguf"
 
 
-def size_label(plan: Plan) -> str:
-    """The parameter count of the set's tensors, as upstream's file names give it (``0.40B``)."""
+_SIZE_LABEL = re.compile(r"(?:[0-9]{1,4}x)?[0-9]{1,6}(?:\.[0-9]{1,4})?[KMBT]")
+
+
+def size_label(plan: Plan, kvs: list[KV], source_name: str = "") -> str:
+    """The size label of a one-file set's name, as upstream's converter finds it: a label the
+    checkpoint's own name carries (``Kimi-K3-0.40B``, the repo or folder), else file 1's
+    ``general.size_label`` (gguf-py's parameter class of the planned tensors: ``8x1.9M``)."""
+    hint = [part for part in source_name.split("-") if _SIZE_LABEL.fullmatch(part)]
+    if hint:
+        return hint[-1]
+    found = next((kv.value for kv in kvs if kv.key == "general.size_label"), None)
+    if isinstance(found, str) and _SIZE_LABEL.fullmatch(found):
+        return found
     from gguf import model_weight_count_rounded_notation
 
-    total = 0
-    for f in plan.files:
-        for t in f.tensors:
-            n = 1
-            for d in t.info.shape:
-                n *= d
-            total += n
+    total = sum(math.prod(t.info.shape) for f in plan.files for t in f.tensors)
     return model_weight_count_rounded_notation(total, min_digits=2)
 
 

@@ -228,10 +228,10 @@ def build_plan(
         pf.memory = max(planned[k][2] for k in group)
         files.append(pf)
     plan = Plan(model, cfg, outtype, basename, files, split=split)
-    label = size_label(plan) if len(files) == 1 else ""
+    kvs = plan_kvs(plan, source.meta_dir, chat_template)
+    label = size_label(plan, kvs, source.name) if len(files) == 1 else ""
     for f in files:
         f.filename = output_filename(basename, plan.label, f.number, len(files), label)
-    kvs = plan_kvs(plan, source.meta_dir, chat_template)
     plan.kvs_digest = kvs_digest(kvs)
     files[0].memory += vocab_memory(kvs)
     for f in files:

@@ -30,10 +30,10 @@ from typing import Any
 
 from k3lab.errors import K3LabError
 from k3lab.formats.hashing import git_blob_hash
+from k3lab.pipeline.hub import transport
+from k3lab.pipeline.hub.retry import with_retries
 from k3lab.pipeline.publishing.upload import PushTarget, upload
-from k3lab.pipeline.sources import http
-from k3lab.pipeline.sources.retry import with_retries
-from k3lab.pipeline.writing.record import (
+from k3lab.pipeline.state.record import (
     MANIFEST_LIMIT,
     MANIFEST_NAME,
     ManifestError,
@@ -123,9 +123,9 @@ def read_repo(target: PushTarget) -> RepoState:
         size = sizes[MANIFEST_NAME]
         if size > MANIFEST_LIMIT:
             raise PublishError(f"{where}: {size} bytes, larger than any k3lab manifest")
-        url = http.file_url(target.repo, MANIFEST_NAME, info.sha, target.endpoint)
+        url = transport.file_url(target.repo, MANIFEST_NAME, info.sha, target.endpoint)
         raw = with_retries(
-            where, lambda: http.fetch_range(url, 0, size, size, target.token, where), target.retry_budget
+            where, lambda: transport.fetch_range(url, 0, size, size, target.token, where), target.retry_budget
         )
         try:
             man = read_manifest(raw, where)
@@ -279,15 +279,15 @@ def publish_folder(
     import hashlib
 
     from k3lab.formats.files import read_chunks
-    from k3lab.pipeline.writing.folder import OutputFolder
+    from k3lab.pipeline.state import OutputFolder
 
     folder = OutputFolder(out_dir)
-    plan = folder.require_plan(model)
+    plan = folder.plans.require(model)
     with folder.hold():
-        records = folder.records()
+        records = folder.records.all()
         text = {r.number: r for r in records if r.is_text}
         for pf in plan.files:
-            if pf.number not in text or not folder.is_complete(pf.number, pf.filename, pf.digest):
+            if pf.number not in text or not folder.records.is_complete(pf.number, pf.filename, pf.digest):
                 raise PublishError(
                     f"{folder.output(pf.filename)}: missing or not complete; convert the set first "
                     "(`k3lab convert` with the same --out-dir)"
@@ -302,7 +302,7 @@ def publish_folder(
                 for chunk in read_chunks(path, rec.size, "output file"):
                     h.update(chunk)
                 rec.sha256 = h.hexdigest()
-                folder.write_record(rec)
+                folder.records.write(rec)
             if state.files.get(rec.file) == rec.sha256:
                 committer.add(None, rec)
                 kept += 1
@@ -310,11 +310,11 @@ def publish_folder(
             op = upload(publication.target, path)
             committer.add(op, rec)
         extra = (
-            publication.extra_files(plan, list(committer.records.values()), folder.load_kvs(plan))
+            publication.extra_files(plan, list(committer.records.values()), folder.plans.kvs(plan))
             if publication.extra_files
             else None
         )
         commit = committer.commit(extra, "k3lab: the whole set")
         target = publication.target
-        folder.merge(Published(target.repo, target.branch, committer.made, commit or state.commit))
+        folder.records.merge(Published(target.repo, target.branch, committer.made, commit or state.commit))
     return committer.uploaded, kept, commit

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k3lab.pipeline.hub import transport
+from k3lab.pipeline.hub.retry import RETRY_BUDGET, current, fold_hf_logging, with_retries
 from k3lab.pipeline.progress import NO_REPORT, TaskReport
-from k3lab.pipeline.sources import http
-from k3lab.pipeline.sources.retry import RETRY_BUDGET, current, fold_hf_logging, with_retries
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class PushTarget:
     def api(self) -> Any:
         from huggingface_hub import HfApi
 
-        http.install()
+        transport.install()
         fold_hf_logging()
         return HfApi(endpoint=self.endpoint, token=self.token)
 

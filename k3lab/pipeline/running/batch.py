@@ -21,7 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from k3lab.errors import K3LabError
-from k3lab.pipeline.writing.folder import OutputFolder
+from k3lab.pipeline.state import OutputFolder
 
 CELL_TIMEOUT = 4 * 3600  # seconds one cell may take (a real shard converts in under a minute): never hang
 KERNEL_START_ERRORS = (
@@ -148,7 +148,7 @@ def run_batch(
     ]
     results = dask_map(execute_shard, calls, scheduler, workers)
     if Path(out_dir).exists():
-        OutputFolder(out_dir).merge()
+        OutputFolder(out_dir).records.merge()
     return run_dir, sorted(results, key=lambda r: r.file)
 
 

@@ -19,8 +19,8 @@ from k3lab.errors import K3LabError, MachineError
 from k3lab.pipeline.progress import RunProgress
 from k3lab.pipeline.running import task as task_mod
 from k3lab.pipeline.running.task import Task, gives_up, init_worker, run_task, task_plan
+from k3lab.pipeline.state import OutputFolder
 from k3lab.pipeline.writing.convert import FileResult
-from k3lab.pipeline.writing.folder import OutputFolder
 
 
 def run_here(task: Task, todo: list[int], progress: RunProgress, results: list, failures: dict) -> None:

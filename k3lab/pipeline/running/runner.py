@@ -28,9 +28,10 @@ from k3lab.pipeline.running.processes import run_here, run_pool
 from k3lab.pipeline.running.task import Task, run_task
 from k3lab.pipeline.sources import open_source
 from k3lab.pipeline.sources.base import Source, SourceSpec
+from k3lab.pipeline.state import OutputFolder
+from k3lab.pipeline.state.record import Published
 from k3lab.pipeline.writing.convert import FileResult
-from k3lab.pipeline.writing.folder import OutputFolder, check_basename
-from k3lab.pipeline.writing.record import Published
+from k3lab.values import basename as check_basename
 
 
 class ShardSpecError(K3LabError):
@@ -91,7 +92,7 @@ def prepare(
     if source is None:
         source = open_source(spec, fresh=True)
         source.fetch_meta()
-    saved = folder.load_plan(model)
+    saved = folder.plans.load(model)
     # a folder keeps its set's split unless the request names one; a new folder takes the default
     split = options.split or (saved.split if saved is not None else Split())
     if saved is not None and still_current(
@@ -163,8 +164,8 @@ def start_run(
     folder = OutputFolder(out_dir)
     with folder.hold(run_token) as token:
         if kvs is not None:
-            folder.save_plan(plan, kvs)
-            gone = folder.retire(plan)
+            folder.plans.save(plan, kvs)
+            gone = folder.records.retire(plan)
             if gone and say is not None:
                 say(
                     f"the set is now {len(plan.files)} file{'s' if len(plan.files) > 1 else ''} "
@@ -258,10 +259,10 @@ def _convert_planned(
         if committer is not None:
             done = None if task.force else published(committer.state, pf.filename, pf.digest, k)
             if done is not None:  # in the repo already: its record is the resume evidence
-                folder.write_record(done)
+                folder.records.write(done)
                 results.append(FileResult(k, pf.filename, True, 0.0, pf.nbytes))
                 continue
-        elif not task.force and folder.is_complete(k, pf.filename, pf.digest):
+        elif not task.force and folder.records.is_complete(k, pf.filename, pf.digest):
             results.append(FileResult(k, pf.filename, True, 0.0, pf.nbytes))
             continue
         todo.append(k)
@@ -292,7 +293,7 @@ def _convert_planned(
                 results,
                 failures,
                 lambda k: plan.file(k).source_bytes,
-                folder.export_plan() if task.private else None,
+                folder.plans.export() if task.private else None,
             )
         elif todo and jobs <= 1:
             run_here(task, todo, progress, results, failures)
@@ -314,7 +315,7 @@ def _convert_planned(
             except K3LabError as e:
                 late.append(e)
         try:
-            folder.merge(published_to)
+            folder.records.merge(published_to)
         except K3LabError as e:  # (a full disk) reported after the errors that came first
             late.append(e)
     if failures:
@@ -336,7 +337,7 @@ def _record_published(folder: OutputFolder, committer: Committer, result: FileRe
     and its upload committed with the next batch."""
     if result.record is None:
         return
-    folder.write_record(result.record)
+    folder.records.write(result.record)
     committer.add(result.upload, result.record)
 
 
@@ -354,7 +355,7 @@ def _publish_singles(
     for rec in publication.singles(token):
         op = upload(target, folder.output(rec.file))  # (a blob the repo has already is not sent again)
         rec.sha256 = op.upload_info.sha256.hex()
-        folder.write_record(rec)
+        folder.records.write(rec)
         committer.add(op, rec)
         if not target.keep_local:
             folder.remove_output(rec.file)
@@ -367,7 +368,7 @@ def _final_commit(
     records = list(committer.records.values())
     whole = complete and {r.file for r in records if r.is_text} >= {pf.filename for pf in plan.files}
     extra = (
-        publication.extra_files(plan, records, OutputFolder(out_dir).load_kvs(plan))
+        publication.extra_files(plan, records, OutputFolder(out_dir).plans.kvs(plan))
         if whole and publication.extra_files
         else None
     )

@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from k3lab.errors import K3LabError, MachineError
@@ -28,8 +29,9 @@ from k3lab.pipeline.running.events import worker_channel
 from k3lab.pipeline.running.stages import held, leave_pool, worker_stages
 from k3lab.pipeline.sources import open_source
 from k3lab.pipeline.sources.base import SourceSpec
+from k3lab.pipeline.state import OutputFolder
+from k3lab.pipeline.state.names import SCRATCH_NAME
 from k3lab.pipeline.writing.convert import FileResult, convert_file, worker_name
-from k3lab.pipeline.writing.folder import OutputFolder, worker_folders
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class Task:
 
 @functools.lru_cache(maxsize=2)
 def task_plan(model: Model, out_dir: str, plan_digest: str) -> Plan:
-    return OutputFolder(out_dir).require_plan(model, plan_digest)
+    return OutputFolder(out_dir).plans.require(model, plan_digest)
 
 
 # where this process's tasks report: set in worker processes by init_worker, and by run_here
@@ -80,6 +82,16 @@ def worker_folder(task: Task) -> tuple[str, SourceSpec]:
     return str(out), task.source.with_options({"scratch": str(scratch)})
 
 
+WORKER_DIR = "k3lab"  # in a Dask worker's local directory
+
+
+def worker_folders(local_directory: str | os.PathLike, plan_digest: str) -> tuple[Path, Path]:
+    """A Dask worker's own output folder and scratch, for a run that shares nothing but the Hub:
+    ``<local directory>/k3lab/out-<plan digest>/`` and ``<local directory>/k3lab/scratch/``."""
+    root = Path(local_directory) / WORKER_DIR
+    return root / f"out-{plan_digest[:16]}", root / SCRATCH_NAME
+
+
 def run_task(
     task: Task,
     number: int,
@@ -99,7 +111,7 @@ def run_task(
         out_dir, spec = worker_folder(task)
         folder = OutputFolder(out_dir)
         if plan_state is not None:
-            folder.import_plan(plan_state)
+            folder.plans.install(plan_state)
         plan = task_plan(task.model, out_dir, task.plan_digest)
         source = open_source(spec)
 
@@ -125,7 +137,7 @@ def run_task(
         def before_commit() -> None:
             report.check(now=True)
             if task.run_token and not task.private:
-                folder.check_held(task.run_token)
+                folder.lock.check_held(task.run_token)
 
         global _converting
         _converting += 1
@@ -172,13 +184,13 @@ def _publish_file(
 ) -> None:
     """Upload a finished file from this machine; its record gains the file's SHA-256 and travels back
     with the uploaded operation; the local copy goes unless ``keep_local``."""
-    record = folder.text_record(number)
+    record = folder.records.text(number)
     if record is None:  # convert_file has just written or found it: never
         raise K3LabError(f"{folder.output(filename)}: no record after converting it")
     # the file's SHA-256 was made as it was written (a file found complete is hashed by the upload)
     result.upload = upload(push, folder.output(filename), report, record.sha256)
     record.sha256 = result.upload.upload_info.sha256.hex()
-    folder.write_record(record)
+    folder.records.write(record)
     result.record = record
     if not push.keep_local:
         folder.remove_output(filename)

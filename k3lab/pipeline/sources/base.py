@@ -195,6 +195,11 @@ class Source(abc.ABC):
         """Whether the checkpoint has ``file`` (local: in its folder; the Hub: at the commit)."""
         return self.readable(file)
 
+    @property
+    def name(self) -> str:
+        """The checkpoint's own name (its folder's; a repo's): what upstream's file names start from."""
+        return self.meta_dir.name
+
     def files(self) -> list[str]:
         return sorted(self._listed())
 

@@ -32,51 +32,40 @@ run's one progress bar.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import os
-import struct
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from k3lab.formats.files import (
     partial_path,
     remove_regular,
 )
-from k3lab.formats.safetensors import INDEX_NAME, MAX_HEADER, NUMPY_DTYPE, TensorEntry
-from k3lab.pipeline.progress import NO_REPORT, Cancelled, TaskReport
-from k3lab.pipeline.sources import http
-from k3lab.pipeline.sources.base import (
-    META_LIMIT,
-    Source,
-    SourceError,
-    SourceFile,
-    SourceSpec,
-    _row_range,
-    _row_shape,
-)
-from k3lab.pipeline.sources.ranges import RangeCache
-from k3lab.pipeline.sources.remote_files import FETCHED, RemoteFile, download, read_fetched, write_fetched
-from k3lab.pipeline.sources.retry import (
+from k3lab.formats.safetensors import INDEX_NAME, TensorEntry
+from k3lab.pipeline.hub import transport
+from k3lab.pipeline.hub.files import FETCHED, RemoteFile, read_fetched, write_fetched
+from k3lab.pipeline.hub.ranges import RangeCache
+from k3lab.pipeline.hub.retry import (
     RETRY_BUDGET,
     HubError,
     HubUnreachable,
     fold_hf_logging,
     with_retries,
 )
-from k3lab.pipeline.sources.slots import Slot, sweep_scratch
+from k3lab.pipeline.progress import NO_REPORT
+from k3lab.pipeline.sources.base import (
+    META_LIMIT,
+    Source,
+    SourceFile,
+    SourceSpec,
+)
+from k3lab.pipeline.sources.hub_downloads import Downloads
+from k3lab.pipeline.sources.hub_ranges import RangedReads
+from k3lab.pipeline.sources.slots import Slot
 
 __all__ = ["HubError", "HubSource", "HubUnreachable", "RETRY_BUDGET", "hub_spec", "with_retries"]
 
-WARM_THREADS = 8  # ranged reads in flight at once when a view asks for many tensors
-WINDOW = 16 << 20  # a ranged read of a tensor reads this much of it at once (bounded memory)
-PREFETCH_AHEAD = 1  # files downloaded ahead of the ones converting
-KEPT = 1  # files kept after their last task because the next one reads them too
 
 
 # --- the source ---------------------------------------------------------------------------------------
@@ -109,7 +98,7 @@ def open_source(spec: SourceSpec) -> Source:
     return HubSource(spec)
 
 
-class HubSource(Source):
+class HubSource(Downloads, RangedReads, Source):
     """A checkpoint on the Hub at one commit: headers by ranged reads, a shard's bytes once acquired."""
 
     def __init__(self, spec: SourceSpec):
@@ -137,7 +126,7 @@ class HubSource(Source):
         self._window: dict[str, tuple[int, bytes]] = {}  # file -> (offset, bytes) last read by map
         self.counts = self.cache.counts  # bytes fetched by ranges (and served from the cache)
         fold_hf_logging()
-        http.install()
+        transport.install()
 
     @property
     def revision(self) -> str:
@@ -155,6 +144,10 @@ class HubSource(Source):
 
     def has_file(self, file: str) -> bool:
         return file in self.resolve()
+
+    @property
+    def name(self) -> str:
+        return self.repo.rsplit("/", 1)[-1]
 
     def _index_dirs(self) -> list[Path]:
         """The index is the commit's, fetched into ``meta`` (none at the commit: one file, no index)."""
@@ -242,221 +235,9 @@ class HubSource(Source):
         remote = self.remote(file)
         return SourceFile(file, remote.size, self.header_sha256(file), data, remote.oid)
 
-    def acquire(self, file: str, report: TaskReport = NO_REPORT) -> None:
-        """Download ``file`` (or wait for the download of it in flight: a prefetch, another task's)
-        and check its SHA-256, ready to map until as many ``release``s."""
-        with self._state:
-            if file in self._slots:
-                self._hold(file)
-                return
-            pending = self._pending.get(file)
-            if pending is None:
-                pending = self._pending[file] = Future()
-                pending.set_running_or_notify_cancel()
-                mine = True
-            else:
-                mine = False
-        if mine:
-            try:
-                slot = self._fetch(file, report)
-            except BaseException as e:
-                with self._state:
-                    self._pending.pop(file, None)
-                pending.set_exception(e)
-                raise
-            pending.set_result(slot)
-        else:
-            while True:  # the download runs in another thread: hear a stop meanwhile
-                try:
-                    slot = pending.result(timeout=0.25)
-                    break
-                except FutureTimeout:
-                    report.check()
-        with self._state:
-            self._pending.pop(file, None)
-            self._prefetching.discard(file)
-            self._slots.setdefault(file, slot)
-            self._hold(file)
-
-    def _hold(self, file: str) -> None:
-        """(under ``_state``) one more hold of a file that is here."""
-        with self._lock:
-            self._holds[file] = self._holds.get(file, 0) + 1
-        if file in self._kept:
-            self._kept.remove(file)
-
-    def prefetch(self, file: str, report: TaskReport = NO_REPORT) -> None:
-        with self._state:
-            if file in self._pending or file in self._slots or len(self._prefetching) >= PREFETCH_AHEAD:
-                return
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="k3lab-prefetch")
-            self._prefetching.add(file)
-            self._pending[file] = self._pool.submit(self._fetch, file, report)
-
-    def _fetch(self, file: str, report: TaskReport) -> Slot:
-        """Download ``file`` at the pinned commit into its slot and check its bytes; returns the slot,
-        held. A cut download continues from its last byte, in this run or the next (the slot's key
-        is the file's name and SHA-256, so only the same bytes ever resume it); other bytes than the
-        Hub lists, or a stop, remove the slot."""
-        remote = self.remote(file)
-        if self.scratch is None:
-            raise HubError(f"{self.where(file)}: no scratch folder to download it into (give --scratch)")
-        self.scratch.mkdir(parents=True, exist_ok=True)
-        key = hashlib.sha256(f"{file}\0{remote.oid}".encode()).hexdigest()[:32]
-        sweep_scratch(self.scratch, keep=key)
-        slot = Slot(self.scratch, key)
-        slot.take(block=True)
-        path = slot.folder / file
-        try:
-            if slot.kept_path.exists() and remote.matches(path):
-                report.downloaded(remote.size)
-                return slot
-            slot.kept_path.unlink(missing_ok=True)
-            partial = path.with_name(path.name + ".incomplete")
-            digest = self._download(remote, partial, report)
-            if digest != remote.oid:
-                raise HubError(
-                    f"{self.where(file)}: the downloaded bytes are not the ones the Hub lists "
-                    f"(SHA-256 {remote.oid[:16]}..., {remote.size} bytes); the download was discarded"
-                )
-            os.replace(partial, path)  # (the final name only ever holds the checked bytes)
-            if self.keep:
-                slot.kept_path.touch()
-            return slot
-        except (Cancelled, HubUnreachable, KeyboardInterrupt):
-            slot.release()  # (kept for the next attempt: its bytes are the Hub's, so far)
-            raise
-        except BaseException:
-            slot.remove()
-            raise
-
-    def _download(self, remote: RemoteFile, path: Path, report: TaskReport) -> str:
-        """The rest of ``remote``'s bytes into ``path`` (see ``remote_files.download``)."""
-        url = http.file_url(self.repo, remote.name, self.commit or self.revision, self.endpoint)
-        return download(
-            url, remote, path, self.token, self.where(remote.name), report, self._closing, self.budget
-        )
-
-    def release(self, file: str, keep: bool = False) -> bool:
-        """Done with ``file`` (once per ``acquire``): once nobody holds it, close it and delete its
-        download (``--keep-source``: keep it on disk), unless ``keep``: a next task reads it too, so
-        it stays, one of at most ``KEPT`` (the oldest goes first)."""
-        if not super().release(file):
-            return False
-        gone = []
-        with self._state:
-            if file not in self._slots:
-                return True
-            if keep and not self._closing.is_set():
-                self._kept.append(file)
-                while len(self._kept) > KEPT:
-                    gone.append(self._kept.pop(0))
-            else:
-                gone.append(file)
-            slots = [self._slots.pop(f) for f in gone]
-        for slot in slots:
-            if self.keep and slot.kept_path.exists():
-                slot.release()
-            else:
-                slot.remove()
-        return True
-
-    def close(self) -> None:
-        """Stop prefetches and delete what they and whole-tensor reads left (a run that stops early)."""
-        self._closing.set()
-        with self._state, self._lock:
-            self._holds.clear()
-            self._kept.clear()
-        for file in list(self._acquired) + list(self._slots):
-            self.release(file)
-        with self._state:
-            pending, self._pending = dict(self._pending), {}
-        for fut in pending.values():
-            with contextlib.suppress(BaseException):  # the download's own error is not this run's
-                fut.result().remove()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        self._closing.clear()
-
-    # --- byte ranges (looking inside without downloading) ---
-    def fetch(self, file: str, start: int, stop: int) -> bytes:
-        """Bytes ``[start, stop)`` of ``file`` at the pinned commit, by a ranged GET (not kept)."""
-        remote = self.remote(file)
-        url = http.file_url(self.repo, file, self.commit or self.revision, self.endpoint)
-        where = self.where(file)
-        return with_retries(
-            where, lambda: http.fetch_range(url, start, stop, remote.size, self.token, where), self.budget
-        )
-
-    def cached(self, file: str, start: int, stop: int) -> np.ndarray:
-        """Bytes ``[start, stop)`` of ``file`` through the range cache (fetched at most once)."""
-        return self.cache.read(self.remote(file).oid, start, stop, lambda a, b: self.fetch(file, a, b))
-
-    def map(self, entry: TensorEntry, offset: int, nbytes: int) -> np.ndarray:
-        """A piece of a tensor: from the downloaded shard when this source holds it (converting),
-        else by a ranged GET, never stored (``verify`` streaming a whole set through)."""
-        file = self._labels.get(entry.file, entry.file)
-        if file in self._slots:
-            return super().map(entry, offset, nbytes)
-        if offset + nbytes > entry.nbytes:
-            raise SourceError(f"{entry.file}: tensor {entry.name}: read past its {entry.nbytes} bytes")
-        start, stop = entry.start + offset, entry.start + offset + nbytes
-        with self._state:
-            held = self._window.get(file)
-        if held is None or not held[0] <= start or stop > held[0] + len(held[1]):
-            # a window of the tensor from here (the streams read a tensor front to back, in pieces)
-            end = min(entry.start + entry.nbytes, max(stop, start + WINDOW))
-            held = (start, self.fetch(file, start, end))
-            self.counts.add(fetched=len(held[1]), requests=1)
-            with self._state:
-                self._window[file] = held
-        return np.frombuffer(held[1], dtype=np.uint8, count=nbytes, offset=start - held[0])
-
-    def will_need(self, entry: TensorEntry, offset: int, nbytes: int) -> None:
-        if self._labels.get(entry.file, entry.file) in self._slots:
-            super().will_need(entry, offset, nbytes)
-
-    def warm(self, names: list[str]) -> None:
-        """Fetch these tensors into the range cache side by side (``WARM_THREADS`` ranged reads at
-        once: the Hub's round trips overlap); those a downloaded shard holds need nothing."""
-        jobs = []
-        for name in names:
-            e, file = self.entry(name), self.weight_map[name]
-            if file not in self._slots:
-                jobs.append((file, e.start, e.start + e.nbytes))
-        if len(jobs) > 1:
-            with ThreadPoolExecutor(WARM_THREADS, thread_name_prefix="k3lab-warm") as pool:
-                for done in [pool.submit(self.cached, *job) for job in jobs]:
-                    done.result()
-
-    def array(self, name: str) -> np.ndarray:
-        """A whole tensor, by ranges through the cache (a downloaded shard's when this source holds it)."""
-        return self.rows(name)
-
-    def rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
-        e, file = self.entry(name), self.weight_map[name]
-        if file in self._slots:
-            return super().rows(name, start, stop)
-        first, last = _row_range(e, start, stop)
-        data = self.cached(file, e.start + first, e.start + last)
-        return data.view(NUMPY_DTYPE[e.dtype]).reshape(_row_shape(e, start, stop))
-
     def _parse(self, file: str) -> dict[str, TensorEntry]:
         entries = super()._parse(file)
         for e in entries.values():  # (an entry names its file as errors should: the repo, the commit)
             self._labels[e.file] = file
             break
         return entries
-
-    def _fetch_raw_header(self, file: str) -> tuple[bytes, int]:
-        """The shard's header by ranged reads at the commit, through the cache (exactly the bytes asked)."""
-        size = self.remote(file).size
-        if size < 8:
-            raise SourceError(f"{self.where(file)}: {size} bytes is too short for a safetensors file")
-        (n,) = struct.unpack("<Q", bytes(self.cached(file, 0, 8)))
-        if n > MAX_HEADER or 8 + n > size:
-            raise SourceError(f"{self.where(file)}: header length {n} does not fit the file ({size} bytes)")
-        head = bytes(self.cached(file, 0, 8 + n))  # (exactly the header: its length, then its JSON)
-        return head[8 : 8 + n], size

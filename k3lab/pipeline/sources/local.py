@@ -22,6 +22,10 @@ class LocalSource(Source):
     def _index_dirs(self) -> list[Path]:
         return [self.meta_dir, self.src_dir]
 
+    @property
+    def name(self) -> str:
+        return self.src_dir.resolve().name
+
     def local_path(self, file: str) -> Path:
         return self.src_dir / file
 

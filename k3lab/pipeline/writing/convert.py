@@ -26,9 +26,9 @@ from k3lab.formats.safetensors import NUMPY_DTYPE, TensorEntry
 from k3lab.pipeline.planning.plan import Plan, PlanError, PlannedFile, PlannedTensor
 from k3lab.pipeline.progress import NO_REPORT, TaskReport
 from k3lab.pipeline.sources.base import Source
-from k3lab.pipeline.writing.folder import OutputFolder, header_sha256
-from k3lab.pipeline.writing.proof import identity
-from k3lab.pipeline.writing.record import Record, SourceRef, TensorRecord
+from k3lab.pipeline.state import OutputFolder
+from k3lab.pipeline.state.proof import header_sha256, identity
+from k3lab.pipeline.state.record import Record, SourceRef, TensorRecord
 
 READ_FIRST = 256 << 20  # bytes read ahead at a task's start: more than the disk reads while numba loads
 
@@ -237,7 +237,7 @@ def file_kvs(plan: Plan, number: int, folder: OutputFolder) -> list[KV]:
     """Split keys in every file of a split set (a set of one file has none); the first also
     carries the planned metadata and the tokenizer."""
     kvs = split_kvs(number - 1, len(plan.files), plan.n_tensors) if plan.split_keys else []
-    return folder.load_kvs(plan) + kvs if number == 1 else kvs
+    return folder.plans.kvs(plan) + kvs if number == 1 else kvs
 
 
 def convert_file(
@@ -262,7 +262,7 @@ def convert_file(
     folder = OutputFolder(out_dir)
     pf = plan.file(number)
     t0 = time.perf_counter()
-    if not force and folder.is_complete(number, pf.filename, pf.digest):
+    if not force and folder.records.is_complete(number, pf.filename, pf.digest):
         report.read(pf.source_bytes)
         return FileResult(number, pf.filename, True, 0.0, pf.nbytes)
     kvs = file_kvs(plan, number, folder)
@@ -277,7 +277,7 @@ def convert_file(
         inputs.close()
     if before_commit is not None:
         before_commit()  # the file is there, but no record says it is complete: a rerun redoes it
-    folder.write_record(
+    folder.records.write(
         Record(
             kind="text",
             file=pf.filename,

@@ -18,8 +18,26 @@ from k3lab.pipeline.planning.plan import PlanError, PlannedTensor
 from k3lab.pipeline.planning.planner import plan_tensor
 from k3lab.pipeline.sources import open_source
 from k3lab.pipeline.sources.base import Source, SourceSpec
+from k3lab.pipeline.state import OutputFolder
+from k3lab.pipeline.state.names import SPLIT_NAME, STATE_DIR, FolderError
 from k3lab.pipeline.writing.convert import Reader, write_tensors
-from k3lab.pipeline.writing.folder import OutputFolder
+
+
+def check_single_output(folder: OutputFolder, out: Path) -> None:
+    """``vision``/``tokenizer`` may write ``out`` there: a ``.gguf`` that is not a file of the set (by
+    its name, or the names its records give), nor the manifest or the state."""
+    name = out.name
+    if STATE_DIR in out.parts:
+        raise FolderError(f"{out}: is inside {STATE_DIR}/, k3lab's state; write the file beside it")
+    if not name.endswith(".gguf") or name.startswith("."):
+        raise FolderError(f"{out}: give a file name ending in .gguf")
+    taken = {r.file for r in folder.records.all() if r.is_text}
+    if SPLIT_NAME.fullmatch(name) or name in taken:
+        raise FolderError(
+            f"{out}: is the name of a file of the set; give the mmproj or tokenizer its own name"
+        )
+    if out.is_symlink() or (out.exists() and not out.is_file()):
+        raise FolderError(f"{out}: exists and is not a regular file; k3lab will not replace it")
 
 
 def plan_single(model: Model, cfg: Any, source: Source) -> list[PlannedTensor]:
@@ -57,7 +75,7 @@ def convert_single(model: Model, spec: SourceSpec, out: str | Path, run_token: s
         raise K3LabError(f"{model.name}: has no single-file output")
     out = Path(out)
     folder = OutputFolder(out.parent)
-    folder.check_single_output(out)
+    check_single_output(folder, out)
     source = open_source(spec, fresh=True)
     source.fetch_meta()
     cfg = model.load_config(spec.meta_dir)
@@ -65,7 +83,7 @@ def convert_single(model: Model, spec: SourceSpec, out: str | Path, run_token: s
     files = sorted({source.weight_map[n] for pt in planned for n in pt.sources})
     kvs = single.kvs(cfg, Path(spec.meta_dir))
     with folder.hold(run_token):
-        folder.check_single_output(out)  # (a plan saved meanwhile)
+        check_single_output(folder, out)  # (a plan saved meanwhile)
         return _write_single(folder, single, out, kvs, planned, source, files)
 
 
@@ -87,7 +105,7 @@ def _write_single(
     finally:
         for f in files:
             source.release(f)
-    folder.record_single(out, single.kind, single.key, data_start, records)
+    folder.records.write_single(out, single.kind, single.key, data_start, records)
     return out
 
 
@@ -104,12 +122,12 @@ def convert_tokenizer(
         raise K3LabError(f"{model.name}: has no standalone tokenizer")
     out = Path(out)
     folder = OutputFolder(out.parent)
-    folder.check_single_output(out)
+    check_single_output(folder, out)
     kvs = model.tokenizer_kvs(
         Path(meta_dir), chat_template
     )  # every input checked before the folder is touched
     with folder.hold(run_token):
-        folder.check_single_output(out)
+        check_single_output(folder, out)
         write_metadata_only(out, model.name, kvs)
-        folder.record_single(out, "tokenizer", "tokenizer", out.stat().st_size, [])
+        folder.records.write_single(out, "tokenizer", "tokenizer", out.stat().st_size, [])
     return out

@@ -98,7 +98,7 @@ def with_retries(
     """fn() until it succeeds, riding out transient failures for up to ``budget`` seconds in a row;
     refusals are one line. The clock starts again when an attempt brought real progress (a window's
     worth of bytes at the minimum rate: ``http.progress_that_counts``), never for a trickle."""
-    from k3lab.pipeline.sources.http import progress_that_counts
+    from k3lab.pipeline.hub.transport import progress_that_counts
 
     if not (budget >= 0 and math.isfinite(budget)):
         raise K3LabError(f"retry budget {budget!r}: give a number of seconds, 0 or more")

@@ -19,9 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from k3lab.formats.files import hash_span
-from k3lab.pipeline.writing.record import Record
+from k3lab.pipeline.state.record import Record
 
 GGUF_MAGIC = b"GGUF"
+
+
+def header_sha256(path: str | Path, data_start: int) -> str:
+    """The SHA-256 of a finished file's bytes before its tensor data (what a record's
+    ``header_sha256`` is)."""
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read(data_start)).hexdigest()
 
 
 def identity(path: Path) -> dict[str, int] | None:

@@ -15,9 +15,9 @@ from typing import Any
 from k3lab.errors import K3LabError
 from k3lab.formats.files import parse_json, read_bounded, read_chunks, write_atomically
 from k3lab.formats.hashing import git_blob_hash
+from k3lab.pipeline.hub import transport
+from k3lab.pipeline.hub.retry import HubError, with_retries
 from k3lab.pipeline.progress import Cancelled, TaskReport
-from k3lab.pipeline.sources import http
-from k3lab.pipeline.sources.retry import HubError, with_retries
 
 FETCHED = ".k3lab-fetched.json"  # in meta: the metadata files k3lab fetched, and their hashes
 
@@ -73,14 +73,14 @@ def download(
         if closing.is_set():
             raise Cancelled(f"{remote.name}: the source was closed")
         report.check()
-        return http.download(
+        return transport.download(
             url,
             path,
             remote.size,
             token,
             where,
             _Closing(report, closing),
-            lambda: http.file_hash(remote.sha256, remote.size),
+            lambda: transport.file_hash(remote.sha256, remote.size),
         )
 
     h = with_retries(where, one, budget, report)

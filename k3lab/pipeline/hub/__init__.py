@@ -1,0 +1,6 @@
+"""The Hugging Face Hub client every stage uses (the Hub source, publishing, checking a set on the
+Hub, the card): ``env`` (where the Hub is, the token, the retry budget), ``transport`` (huggingface_hub's
+HTTP, bounded in bytes and time; ranged reads; resumable downloads), ``retry`` (the one backoff
+loop: outages ridden out within a time budget, what is transient), ``files`` (a file as a pinned
+commit lists it, and its checked download), ``ranges`` (the bounded, self-proving cache of fetched
+byte ranges)."""

@@ -1,0 +1,104 @@
+"""``OutputFolder``: ``OUT/`` and ``OUT/.k3lab/``, the handle the state's parts hang on (``lock``,
+``plans``, ``records``), and what it alone creates and deletes.
+
+Rules, so that nothing a user has is lost and nothing k3lab wrote is taken on faith:
+- every file is created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` as ``NAME.PID.partial`` (or
+  ``NAME.partial``), fsynced and renamed: never written through a symlink, a final name only ever
+  holds a whole file; ``.k3lab`` itself must be a real directory;
+- deleted are only k3lab's own: ``*.partial`` regular files of its naming, files its records prove
+  it wrote, nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from functools import cached_property
+from pathlib import Path
+
+from k3lab.formats.files import PARTIAL, partial_path, remove_regular
+from k3lab.pipeline.state.lock import FolderLock
+from k3lab.pipeline.state.names import LOCK_NAME, SCRATCH_NAME, STATE_DIR, FolderError, plain_name
+from k3lab.pipeline.state.plans import Plans
+from k3lab.pipeline.state.record import MANIFEST_NAME
+from k3lab.pipeline.state.records import Records
+
+
+class OutputFolder:
+    """``OUT/`` and its state. Cheap to make; touches the disk only when asked."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.state = self.path / STATE_DIR
+
+    @cached_property
+    def lock(self) -> FolderLock:
+        return FolderLock(self.path, self.state / LOCK_NAME)
+
+    @cached_property
+    def plans(self) -> Plans:
+        return Plans(self.state, self.create)
+
+    @cached_property
+    def records(self) -> Records:
+        return Records(self)
+
+    # --- names ----------------------------------------------------------------------------------
+    def output(self, name: str) -> Path:
+        """An output file in the folder (a plain name, never a path)."""
+        return self.path / plain_name(name)
+
+    def partial(self, name: str) -> Path:
+        """Where output file ``name`` is while it is written."""
+        return partial_path(self.output(name))
+
+    @property
+    def manifest(self) -> Path:
+        return self.path / MANIFEST_NAME
+
+    @property
+    def scratch(self) -> Path:
+        """Where a run's Hub downloads go unless ``--scratch`` says otherwise: the one default."""
+        return self.state / SCRATCH_NAME
+
+    # --- the folder itself ----------------------------------------------------------------------
+    def create(self) -> None:
+        """``OUT/`` and ``OUT/.k3lab/``, the latter a real directory (never a symlink to elsewhere)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):  # (then it must be a real directory: checked next)
+            os.mkdir(self.state)
+        self.check_state_dir()
+
+    def check_state_dir(self) -> bool:
+        """Whether ``.k3lab`` exists; one line when it is anything but a real directory."""
+        try:
+            st = os.lstat(self.state)
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISDIR(st.st_mode):
+            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+            raise FolderError(f"{self.state}: is {kind}; k3lab keeps its state only in a real directory here")
+        return True
+
+    def hold(self, run_token: str | None = None) -> contextlib.AbstractContextManager[str]:
+        """The folder's lock for a block (made first when this run takes it)."""
+        if run_token is None:
+            self.create()
+        return self.lock.hold(run_token)
+
+    # --- cleaning up ------------------------------------------------------------------------------
+    def remove_output(self, name: str) -> None:
+        """Delete a finished output file once it is published (a regular file only: a symlink or
+        anything else of that name is left alone)."""
+        remove_regular(self.output(name))
+
+    def remove_partials(self) -> list[Path]:
+        """Delete the ``*.partial`` files a killed run left: regular files of k3lab's naming only
+        (``NAME.gguf.partial`` and ``MANIFEST.json.PID.partial`` here, ``NAME.PID.partial`` in
+        ``.k3lab/``), never a symlink's target. Only while holding the folder's lock."""
+        found = [*self.path.glob(f"*.gguf{PARTIAL}")]
+        found += [p for p in self.path.glob(f"{MANIFEST_NAME}.*{PARTIAL}") if p.name.split(".")[2].isdigit()]
+        if self.check_state_dir():
+            found += self.state.glob(f"*.json.*{PARTIAL}")
+        return [p for p in found if remove_regular(p)]
