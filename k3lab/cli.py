@@ -270,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     command(
         "tensor-map",
-        _front("k3lab.tensor_map", "tensor_map_command"),
+        lambda req, a: print(request.tensor_map(req), end=""),
         "the HF -> GGUF tensor table (TENSOR_MAP.md) from the rule table",
     )
 

@@ -142,8 +142,8 @@ class Request:
                 if getattr(self, flag) not in (None, False):
                     raise K3LabError(f"--{flag.replace('_', '-')} is for publishing: it needs --push-to")
             return None
-        from k3lab.card import publication
         from k3lab.pipeline.hub.env import hub_env
+        from k3lab.pipeline.publishing.publish import COMMIT_EVERY, Publication
         from k3lab.pipeline.publishing.upload import PushTarget
 
         env = hub_env(self.retry_budget)
@@ -151,31 +151,8 @@ class Request:
         target = PushTarget(
             self.push_to, branch, self.private, self.keep_local, env.endpoint, env.token, env.budget
         )
-        made = publication(self.load_model(), target, self.commit_every, self.force)
-        if not self.text_only and self.out_dir:
-            made.singles = self._singles
-        return made
-
-    def _singles(self, run_token: str) -> list[Any]:
-        """The files a published run makes beside its split set, as part of the run: the standalone
-        tokenizer GGUF and the model's single file (the mmproj); their records."""
-        from k3lab.pipeline.state import OutputFolder
-        from k3lab.pipeline.writing.single import convert_single, convert_tokenizer
-
-        model, folder = self.load_model(), OutputFolder(self.out_dir or "")
-        options, _ = self.run_options()
-        base = options.basename or model.default_basename
-        made = []
-        if model.tokenizer_kvs is not None:
-            out = folder.output(f"{base}-tokenizer.gguf")
-            convert_tokenizer(model, self.meta or "", out, options.chat_template, run_token)
-            made.append("tokenizer")
-        if model.single is not None:
-            out = folder.output(f"mmproj-{base}-BF16.gguf")
-            convert_single(model, self.output_source(), out, run_token)
-            made.append(model.single.key)
-        records = [folder.records.read(f"{key}.json") for key in made]
-        return [r for r in records if r is not None]
+        every = COMMIT_EVERY if self.commit_every is None else self.commit_every
+        return Publication(target, every, self.force, beside=not self.text_only)
 
 
 @functools.lru_cache(maxsize=8)
@@ -257,6 +234,13 @@ def publish(req: Request, say: Say | None = None) -> tuple[int, int, str | None,
         raise K3LabError("publish: give the repo as ORG/NAME")
     pushed, kept, commit = publish_folder(req.load_model(), req.out_dir, publication, say)
     return pushed, kept, commit, publication.target.where()
+
+
+def tensor_map(req: Request) -> str:
+    """TENSOR_MAP.md of the requested model: ``k3lab tensor-map``."""
+    from k3lab.pipeline.publishing.tensor_map import tensor_map_markdown
+
+    return tensor_map_markdown(req.load_model())
 
 
 def is_repo(target: str) -> bool:

@@ -94,3 +94,34 @@ def argument(check: Callable[..., Any], *bounds: object) -> Callable[[str], Any]
             raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
 
     return parse
+
+
+_SHARD_PART = re.compile(r"([0-9]{1,9})(?:-([0-9]{1,9}))?")
+
+
+class ShardSpecError(ValueProblem):
+    """A --files value that is not N, A-B or a comma mix of them within the set."""
+
+
+def output_files(chosen: str | None, n: int) -> list[int]:
+    """``--files`` (``--shards``): ``N``, ``A-B`` or a comma mix of output files (1-based, inclusive,
+    ASCII digits); None or 'all' means every output file. Every number is checked against ``n``
+    before any range is expanded, so the list is never longer than the set."""
+    if chosen is None or chosen.strip().lower() == "all":
+        return list(range(1, n + 1))
+    if len(chosen) > 10_000:
+        raise ShardSpecError(f"--files: {len(chosen)} characters; give N, A-B or a comma mix")
+    out: set[int] = set()
+    for part in chosen.split(","):
+        m = _SHARD_PART.fullmatch(part.strip())
+        if m is None:
+            raise ShardSpecError(f"--files {chosen!r}: {part.strip()!r} is not N or A-B (digits 0-9)")
+        a = int(m[1])
+        b = int(m[2]) if m[2] else a
+        if a > b:
+            raise ShardSpecError(f"--files {chosen!r}: {part.strip()!r} runs backwards")
+        for k in (a, b):
+            if not 1 <= k <= n:
+                raise ShardSpecError(f"--files {chosen!r}: file {k} is outside 1..{n}")
+        out.update(range(a, b + 1))
+    return sorted(out)

@@ -43,12 +43,12 @@ def _k3lab(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.
 @pytest.mark.parametrize(
     "shards, needle",
     [
-        ("1-99999999", "shard 99999999 is outside 1..9"),
+        ("1-99999999", "file 99999999 is outside 1..9"),
         ("1-" + "9" * 5000, "is not N or A-B"),
         ("\u0663", "is not N or A-B"),  # an Arabic-Indic three
         ("+3", "is not N or A-B"),
         ("3-1", "runs backwards"),
-        ("0", "shard 0 is outside 1..9"),
+        ("0", "file 0 is outside 1..9"),
         ("1,,2", "is not N or A-B"),
     ],
 )
@@ -61,7 +61,7 @@ def test_a_shard_list_is_checked_against_the_plan_without_expanding_it(
         ["convert", "--meta", str(tiny_src), "--out-dir", str(out), "--quiet", *PER_LAYER, "--shards", shards]
     )
     lines = _lines(capsys)
-    assert code == 2 and len(lines) == 1 and needle in lines[0] and "--shards" in lines[0], lines
+    assert code == 2 and len(lines) == 1 and needle in lines[0] and "--files" in lines[0], lines
     assert time.monotonic() - t0 < 30
     assert not out.exists()
 

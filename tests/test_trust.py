@@ -535,7 +535,7 @@ def test_a_shard_pointing_into_proc_is_one_line_naming_it(drawn: Path, tmp_path:
 
 def test_shards_out_of_range_creates_nothing(drawn: Path, tmp_path: Path, capsys) -> None:
     assert _convert(drawn, tmp_path / "out", "--shards", "99") == 2
-    _one_line(capsys, "--shards", "99")
+    _one_line(capsys, "--files", "99")
     assert not (tmp_path / "out").exists()
 
 
@@ -583,6 +583,6 @@ def test_a_worker_killed_by_the_os_is_one_line_and_finished_files_are_kept(
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1, err
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and "worker for shard " in lines[0] and "died (signal 9)" in lines[0], err
+    assert len(lines) == 1 and "worker for output file " in lines[0] and "died (signal 9)" in lines[0], err
     assert _convert(src, out) == 0
     assert main(["verify", str(out), "--quiet"]) == 0

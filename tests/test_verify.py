@@ -12,7 +12,7 @@ from conftest import convert
 
 from k3lab.cli import main
 from k3lab.kimi_k3.model import MODEL
-from k3lab.tensor_map import tensor_map_markdown
+from k3lab.pipeline.publishing.tensor_map import tensor_map_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 

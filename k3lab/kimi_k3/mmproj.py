@@ -113,4 +113,5 @@ MMPROJ = SingleFileModel(
     layout=vision_layout,
     kvs=mmproj_kvs,
     check_config=K3Config.check_vision,
+    file_name="mmproj-{basename}-BF16.gguf",
 )

@@ -110,6 +110,7 @@ class SingleFileModel:
     layout: Callable[[Any], dict[str, TensorSpec]]
     kvs: Callable[[Any, Path], list[KV]]  # (config, meta folder) -> its metadata
     check_config: Callable[[Any], None]  # one line when the config cannot describe it
+    file_name: str = "{basename}-{key}.gguf"  # its name beside a set of that basename
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ class Front:
 
     - ``base_model``: the Hub repo a conversion of a local copy is taken to come from (the card's
       ``base_model``), and whose card's license the published card repeats;
-    - ``card_template``: the model card, a ``string.Template`` the front fills in (``k3lab.card``);
+    - ``card_template``: the model card, a ``string.Template`` (``pipeline.publishing.card`` fills it in);
     - ``rules_file``: the module holding the rule table (TENSOR_MAP.md names it);
     - ``tags``: what each rule's unit and config tags mean, in words (TENSOR_MAP.md);
     - ``chat_template``: (meta folder, ``--chat-template`` file or None) -> (the template to embed
@@ -156,6 +157,7 @@ class Model:
     # (config, meta folder, general.name, file type label, chat template, [(tensor, shape)]) -> file 1's KVs
     file_kvs: Callable[[Any, Path, str, str, str | None, list[tuple[str, tuple[int, ...]]]], list[KV]]
     tokenizer_kvs: Callable[[Path, str | None], list[KV]] | None = None
+    tokenizer_name: str = "{basename}-tokenizer.gguf"  # the standalone tokenizer GGUF beside a set
     single: SingleFileModel | None = None
     other_prefixes: tuple[str, ...] = field(default=())  # source tensors of other outputs
     front: Front | None = None  # what the front needs (the card, TENSOR_MAP.md, the demo)

@@ -32,6 +32,7 @@ from k3lab.errors import K3LabError
 from k3lab.formats.hashing import git_blob_hash
 from k3lab.pipeline.hub import transport
 from k3lab.pipeline.hub.retry import with_retries
+from k3lab.pipeline.publishing.card import EXTRA_NAMES, extra_files
 from k3lab.pipeline.publishing.upload import PushTarget, upload
 from k3lab.pipeline.state.record import (
     MANIFEST_LIMIT,
@@ -234,22 +235,16 @@ def git_blob_id(data: bytes) -> str:
     return h.hexdigest()
 
 
-ExtraFiles = Callable[[Any, list[Record], list[Any]], dict[str, bytes]]  # (plan, records, kvs) -> files
-
-
 @dataclass
 class Publication:
-    """A run that publishes: the target, the extra files of its last commit (the model card,
-    ``TENSOR_MAP.md``: the front makes them), how often to commit, and whether to replace another set."""
+    """A run that publishes: the target, how often to commit, whether to replace another set, and
+    whether the run also makes and publishes the files beside the set (the mmproj, the tokenizer
+    GGUF; not with ``--text-only``). Its last commit adds the card and ``TENSOR_MAP.md`` (``card``)."""
 
     target: PushTarget
-    extra_files: ExtraFiles | None = None
     commit_every: float = COMMIT_EVERY
     force: bool = False
-    extra_names: tuple[str, ...] = ()  # what ``extra_files`` makes (README.md, TENSOR_MAP.md)
-    # the files beside the split set a run publishes too (the mmproj, the tokenizer GGUF): made in
-    # the run's folder once the set is whole, as part of the run (its token); their records
-    singles: Callable[[str], list[Record]] | None = None
+    beside: bool = True
 
 
 def open_committer(
@@ -261,7 +256,7 @@ def open_committer(
     planned = {pf.filename: pf.digest for pf in plan.files}
     state = open_target(publication.target, planned, publication.force)
     stale = tuple(r.file for r in state.records.values() if r.is_text and r.file not in planned)
-    theirs = [n for n in publication.extra_names if state.theirs(n)]
+    theirs = [n for n in EXTRA_NAMES if state.theirs(n)]
     if theirs and not publication.force and say is not None:
         say(
             f"{publication.target.where()}: {', '.join(theirs)} {'is' if len(theirs) == 1 else 'are'} the "
@@ -309,10 +304,8 @@ def publish_folder(
                 continue
             op = upload(publication.target, path)
             committer.add(op, rec)
-        extra = (
-            publication.extra_files(plan, list(committer.records.values()), folder.plans.kvs(plan))
-            if publication.extra_files
-            else None
+        extra = extra_files(
+            model, plan, list(committer.records.values()), folder.plans.kvs(plan), publication.target
         )
         commit = committer.commit(extra, "k3lab: the whole set")
         target = publication.target

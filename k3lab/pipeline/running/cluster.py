@@ -17,32 +17,32 @@ Each output file is one task (``task.run_task``) submitted to the scheduler. The
 from __future__ import annotations
 
 import queue as queue_mod
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from k3lab.errors import K3LabError, MachineError
 from k3lab.pipeline.progress import Cancelled, RunProgress
 from k3lab.pipeline.running.events import channel_name
-from k3lab.pipeline.running.task import gives_up
 
 STOP_GRACE = 60.0  # seconds the client waits for running tasks to stop after Ctrl-C
 
 
 def run_on_dask(
-    run_task: Callable[..., Any],
+    work: Callable[..., Any],
     task: Any,
     todo: list[int],
     scheduler: str,
     progress: RunProgress,
-    results: list,
-    failures: dict[int, K3LabError],
+    halt: threading.Event,
     plan_bytes: Callable[[int], int],
     plan_state: dict[str, bytes] | None = None,
-) -> None:
-    """``run_task(task, k)`` for each k on the cluster at ``scheduler``; results and failures by file
-    (``plan_bytes(k)``: file k's source bytes, its share of the bar). ``plan_state``: the saved plan's
-    files, sent once to each worker that writes a folder of its own."""
+) -> Iterator[tuple[int, Any]]:
+    """``work(task, k)`` for each k on the cluster at ``scheduler``, yielding ``(k, result or
+    error)`` as they end (``plan_bytes(k)``: file k's source bytes, its share of the bar). Once
+    ``halt`` is set, tasks not begun are cancelled. ``plan_state``: the saved plan's files, sent once
+    to each worker that writes a folder of its own."""
     import dataclasses
     from concurrent.futures import CancelledError
 
@@ -59,7 +59,7 @@ def run_on_dask(
     stop = Event(channel, client=client)
     shared = client.scatter(plan_state, hash=False) if plan_state is not None else None
     futures = {
-        client.submit(run_task, task, k, None, shared, key=f"k3lab-{task.run_token[:12]}-{k}", pure=False): k
+        client.submit(work, task, k, None, shared, key=f"k3lab-{task.run_token[:12]}-{k}", pure=False): k
         for k in todo
     }
 
@@ -78,23 +78,25 @@ def run_on_dask(
             except TimeoutError:
                 done = set()
             drain()
+            if halt.is_set():  # tasks not begun yet are left for the rerun
+                waiting = [f for f in pending if futures[f] not in progress.running]
+                if waiting:
+                    client.cancel(waiting)
+                    pending -= set(waiting)
             for fut in done:
                 k = futures[fut]
                 try:
                     result = fut.result()
-                    results.append(result)
-                    progress.finished(k, plan_bytes(k))
                 except K3LabError as e:
-                    failures[k] = e
-                    if gives_up(e):  # tasks not begun yet are left for the rerun
-                        waiting = [f for f in pending if futures[f] not in progress.running]
-                        client.cancel(waiting)
-                        pending -= set(waiting)
+                    yield k, e
                 except (Cancelled, CancelledError):
                     continue  # stopped with its run, or cancelled after a failure: the rerun does it
                 except Exception as e:  # KilledWorker and the like: the machine's, not the input's
                     said = " ".join(str(e).split())  # (one line: Dask's messages run over several)
-                    failures[k] = MachineError(f"on the cluster: {type(e).__name__}: {said}".strip())
+                    yield k, MachineError(f"on the cluster: {type(e).__name__}: {said}".strip())
+                else:
+                    progress.finished(k, plan_bytes(k))
+                    yield k, result
     except BaseException:  # Ctrl-C, SIGTERM: every task stops, and the client waits until they have
         stop.set()
         client.cancel(list(futures), force=True)

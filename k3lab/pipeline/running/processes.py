@@ -1,6 +1,9 @@
-"""Running tasks on this machine: one after another in this process (the next shard prefetched), or
-in ``jobs`` worker processes, with their reports folded into the run's bar and a worker killed from
-outside named in one line. Ctrl-C and SIGTERM stop the workers (each removes its ``.partial``)."""
+"""Running tasks on this machine: one after another in this process (the next file's sources
+prefetched, the file before uploading meanwhile), or in ``jobs`` worker processes, with their
+reports folded into the run's bar and a worker killed from outside named in one line. Each is a
+generator of outcomes, ``(k, result or error)``, for the runner's one loop; once the run's ``halt``
+is set (a failure every file would share) it starts nothing more but still yields what it began.
+Ctrl-C and SIGTERM stop the workers (each removes its ``.partial``)."""
 
 from __future__ import annotations
 
@@ -9,77 +12,75 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from k3lab.errors import K3LabError, MachineError
 from k3lab.pipeline.progress import RunProgress
-from k3lab.pipeline.running import task as task_mod
-from k3lab.pipeline.running.task import Task, gives_up, init_worker, run_task, task_plan
+from k3lab.pipeline.running import worker
+from k3lab.pipeline.running.task import Task, run_task, task_plan
 from k3lab.pipeline.state import OutputFolder
 from k3lab.pipeline.writing.convert import FileResult
 
+Outcome = tuple[int, "FileResult | K3LabError"]
 
-def run_here(task: Task, todo: list[int], progress: RunProgress, results: list, failures: dict) -> None:
-    """One file after another, as a pipeline: file k converts while shard k+1 downloads (the
-    source's prefetch) and file k-1 uploads (one upload at a time, on a thread of its own), so that
-    at most two source shards and two output files are on disk at once."""
+
+def run_here(task: Task, todo: list[int], progress: RunProgress, halt: threading.Event) -> Iterator[Outcome]:
+    """One file after another, as a pipeline: file k converts while the next one's first source
+    downloads (the source's prefetch) and file k-1 uploads (one upload at a time, on a thread of its
+    own), so that at most two output files are on disk at once."""
     q: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
-    task_mod.progress_queue = q
-    task_mod.stopping.clear()
     uploads = ThreadPoolExecutor(1, thread_name_prefix="k3lab-upload")
     uploading: FileResult | None = None
 
-    def settle(result: FileResult | None) -> bool:
-        """The upload of ``result`` done: its result counted, or its failure; False: stop the run."""
-        if result is None:
-            return True
+    def settled(result: FileResult) -> Outcome:
+        """The upload of ``result`` done: the result, or the upload's failure."""
         try:
             result.pending.result()
-            result.pending = None
-            results.append(result)
         except K3LabError as e:
-            failures[result.number] = e
-            return not gives_up(e)
-        return True
+            return result.number, e
+        result.pending = None
+        return result.number, result
 
-    try:
-        for i, k in enumerate(todo):
-            try:
-                result = run_task(task, k, todo[i + 1] if i + 1 < len(todo) else None, uploads=uploads)
-            except K3LabError as e:  # a bad shard does not stop the others; the machine's trouble does
-                failures[k] = e
-                if gives_up(e):
+    with worker.reporting_to(q):
+        try:
+            for i, k in enumerate(todo):
+                if halt.is_set():
                     break
-                result = None
-            if result is not None and result.pending is None:
-                results.append(result)
-            elif result is not None:
-                go_on = settle(uploading)  # (the one before: one upload in flight at a time)
-                uploading = result
-                if not go_on:
-                    break
+                try:
+                    result = run_task(task, k, todo[i + 1] if i + 1 < len(todo) else None, uploads=uploads)
+                except K3LabError as e:  # a bad file does not stop the others; the machine's trouble does
+                    yield k, e
+                    continue
+                finally:
+                    _drain(q, progress)
+                if result.pending is None:
+                    yield k, result
+                    continue
+                before, uploading = uploading, result  # (the one before: one upload in flight at a time)
+                if before is not None:
+                    yield settled(before)
+            if uploading is not None:
+                last, uploading = uploading, None
+                yield settled(last)
+        except BaseException:  # Ctrl-C, SIGTERM: the upload in flight stops at its next piece
+            worker.stop()
+            raise
+        finally:
+            if uploading is not None:
+                with contextlib.suppress(BaseException):
+                    uploading.pending.result()
+            uploads.shutdown(wait=True)
             _drain(q, progress)
-        settle(uploading)
-        uploading = None
-    except BaseException:  # Ctrl-C, SIGTERM: the upload in flight stops at its next piece
-        task_mod.stopping.set()
-        raise
-    finally:
-        if uploading is not None:
-            with contextlib.suppress(BaseException):
-                uploading.pending.result()
-        uploads.shutdown(wait=True)
-        task_mod.progress_queue = None
-        _drain(q, progress)
 
 
 def run_pool(
-    task: Task, todo: list[int], jobs: int, progress: RunProgress, results: list, failures: dict
-) -> None:
+    task: Task, todo: list[int], jobs: int, progress: RunProgress, halt: threading.Event
+) -> Iterator[Outcome]:
     ctx = mp.get_context("spawn")
     # workers are born ignoring SIGINT (an ignored signal stays ignored across exec, and Python then
     # installs no KeyboardInterrupt handler): Ctrl-C reaches the whole group, but only this process
@@ -90,7 +91,7 @@ def run_pool(
         pool = ProcessPoolExecutor(
             max_workers=min(jobs, len(todo)),
             mp_context=ctx,
-            initializer=init_worker,
+            initializer=worker.init_worker,
             initargs=(q, os.getpid()),
         )
         pending = {pool.submit(run_task, task, k): k for k in todo}
@@ -99,28 +100,32 @@ def run_pool(
     stopping = False
     busy: dict[int, int] = {}  # pid -> the file it converts
     workers: dict[int, Any] = {}  # pid -> its Process (the pool forgets them once broken)
+    done: set[int] = set()
     try:
         while pending:
             _drain(q, progress, busy)
             workers.update(getattr(pool, "_processes", None) or {})
+            if halt.is_set():  # files not begun yet are left for the rerun
+                for f in [f for f in pending if f.cancel()]:
+                    pending.pop(f)
             for f in [f for f in pending if f.done()]:
                 k = pending.pop(f)
                 try:
-                    results.append(f.result())
+                    result = f.result()
                 except K3LabError as e:
-                    failures[k] = e
-                    if gives_up(e):  # files not begun yet are left for the rerun
-                        for other in [f for f in pending if f.cancel()]:
-                            pending.pop(other)
+                    yield k, e
                 except BrokenProcessPool:
                     _drain(q, progress, busy)
-                    died = _worker_died(workers, busy, results, lambda: _left_partials(task, todo))
-                    failures[died[0] or k] = died[1]
+                    died, error = _worker_died(workers, busy, done, lambda: _left_partials(task, todo))
+                    yield died or k, error
                     pending.clear()
                     break
+                else:
+                    done.add(k)
+                    yield k, result
             time.sleep(0.05)
         _drain(q, progress, busy)
-    except BaseException:  # Ctrl-C, SIGTERM: stop the workers now, not after their remaining shards
+    except BaseException:  # Ctrl-C, SIGTERM: stop the workers now, not after their remaining files
         stopping = True
         raise
     finally:
@@ -169,11 +174,10 @@ def _left_partials(task: Task, todo: list[int]) -> list[int]:
 
 
 def _worker_died(
-    workers: dict[int, Any], busy: dict[int, int], results: list[FileResult], left: Callable[[], list[int]]
+    workers: dict[int, Any], busy: dict[int, int], done: set[int], left: Callable[[], list[int]]
 ) -> tuple[int | None, MachineError]:
     """A worker killed from outside (the OOM killer, kill -9): the file it converted (if known) and one
     line naming it and the signal."""
-    done = {r.number for r in results}
     for p in workers.values():  # the others are stopped (and remove their .partial) first
         p.join(2)
     partials = left()
@@ -190,10 +194,10 @@ def _worker_died(
     for p in dead:
         how = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit code {p.exitcode}"
         return busy[p.pid], MachineError(
-            f"worker for shard {busy[p.pid]} died ({how}); finished files are kept: run the command again"
+            f"worker for output file {busy[p.pid]} died ({how}); finished files are kept: run the command again"
         )
     idle = [p for p in workers.values() if p.exitcode and p.exitcode != -signal.SIGTERM]
     how = f" (signal {-idle[0].exitcode})" if idle and idle[0].exitcode < 0 else ""
     return None, MachineError(
-        f"a worker process died{how} before it began a shard; finished files are kept: run the command again"
+        f"a worker process died{how} before it began a file; finished files are kept: run the command again"
     )

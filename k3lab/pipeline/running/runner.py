@@ -7,12 +7,12 @@ when asked (``publish``), list what failed, and merge the manifest.
 from __future__ import annotations
 
 import contextlib
-import functools
-import re
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tqdm.auto import tqdm  # a widget bar in a notebook, a text bar on a terminal
 
@@ -22,47 +22,19 @@ from k3lab.pipeline.planning.plan import Plan
 from k3lab.pipeline.planning.planner import make_plan, plan_options, still_current
 from k3lab.pipeline.planning.split import Split
 from k3lab.pipeline.progress import RunProgress
+from k3lab.pipeline.publishing.card import extra_files
 from k3lab.pipeline.publishing.publish import Committer, Publication, open_committer, published
 from k3lab.pipeline.publishing.upload import upload
 from k3lab.pipeline.running.processes import run_here, run_pool
-from k3lab.pipeline.running.task import Task, run_task
+from k3lab.pipeline.running.task import Task, gives_up, run_task
 from k3lab.pipeline.sources import open_source
 from k3lab.pipeline.sources.base import Source, SourceSpec
 from k3lab.pipeline.state import OutputFolder
 from k3lab.pipeline.state.record import Published
 from k3lab.pipeline.writing.convert import FileResult
+from k3lab.pipeline.writing.single import make_beside
 from k3lab.values import basename as check_basename
-
-
-class ShardSpecError(K3LabError):
-    """A --shards value that is not N, A-B or a comma mix of them within the set."""
-
-
-_SHARD_PART = re.compile(r"([0-9]{1,9})(?:-([0-9]{1,9}))?")
-
-
-def parse_shards(chosen: str | None, n: int) -> list[int]:
-    """``N``, ``A-B`` or a comma mix (1-based, inclusive, ASCII digits); None or 'all' means every
-    output file. Every number is checked against ``n`` before any range is expanded, so the list
-    is never longer than the set."""
-    if chosen is None or chosen.strip().lower() == "all":
-        return list(range(1, n + 1))
-    if len(chosen) > 10_000:
-        raise ShardSpecError(f"--shards: {len(chosen)} characters; give N, A-B or a comma mix")
-    out: set[int] = set()
-    for part in chosen.split(","):
-        m = _SHARD_PART.fullmatch(part.strip())
-        if m is None:
-            raise ShardSpecError(f"--shards {chosen!r}: {part.strip()!r} is not N or A-B (digits 0-9)")
-        a = int(m[1])
-        b = int(m[2]) if m[2] else a
-        if a > b:
-            raise ShardSpecError(f"--shards {chosen!r}: {part.strip()!r} runs backwards")
-        for k in (a, b):
-            if not 1 <= k <= n:
-                raise ShardSpecError(f"--shards {chosen!r}: shard {k} is outside 1..{n}")
-        out.update(range(a, b + 1))
-    return sorted(out)
+from k3lab.values import output_files
 
 
 @dataclass(frozen=True)
@@ -157,9 +129,9 @@ def start_run(
     holding the lock."""
     plan, kvs = prepare(model, spec, out_dir, options, say)
     numbers = (
-        parse_shards(",".join(str(k) for k in shards) or "-", len(plan.files))
+        output_files(",".join(str(k) for k in shards) or "-", len(plan.files))
         if isinstance(shards, list)
-        else parse_shards(shards, len(plan.files))
+        else output_files(shards, len(plan.files))
     )
     folder = OutputFolder(out_dir)
     with folder.hold(run_token) as token:
@@ -219,25 +191,11 @@ def convert_shards(
         task = Task(
             plan.model, str(out_dir), spec, plan.inputs_digest, options.force, token, "", push, private
         )
-        return _convert_planned(plan, task, numbers, jobs, quiet, scheduler, publication, say)
+        return _convert_planned(plan, task, numbers, jobs, quiet, scheduler, publication, options, say)
 
 
 def _say(line: str) -> None:
     print(f"k3lab: {line}", file=sys.stderr, flush=True)
-
-
-class Results(list):
-    """The run's finished files; ``then(result)`` hears of each new one as it arrives (the commits of
-    a published run)."""
-
-    def __init__(self, then: Callable[[FileResult], None] | None = None):
-        super().__init__()
-        self.then = then
-
-    def append(self, result: FileResult) -> None:
-        super().append(result)
-        if self.then is not None:
-            self.then(result)
 
 
 def _convert_planned(
@@ -247,58 +205,32 @@ def _convert_planned(
     jobs: int,
     quiet: bool | None,
     scheduler: str | None,
-    publication: Publication | None = None,
+    publication: Publication | None,
+    options: RunOptions,
     say: Callable[[str], None] | None = None,
 ) -> list[FileResult]:
     folder = OutputFolder(task.out_dir)
     committer = open_committer(plan, publication, say or _say) if publication else None
-    results = Results(functools.partial(_record_published, folder, committer) if committer else None)
-    todo = []
-    for k in numbers:  # complete files are found here, not sent anywhere
-        pf = plan.file(k)
-        if committer is not None:
-            done = None if task.force else published(committer.state, pf.filename, pf.digest, k)
-            if done is not None:  # in the repo already: its record is the resume evidence
-                folder.records.write(done)
-                results.append(FileResult(k, pf.filename, True, 0.0, pf.nbytes))
-                continue
-        elif not task.force and folder.records.is_complete(k, pf.filename, pf.digest):
-            results.append(FileResult(k, pf.filename, True, 0.0, pf.nbytes))
-            continue
-        todo.append(k)
-    failures: dict[int, K3LabError] = {}
-    disable = {True: True, False: None, None: False}[quiet]  # tqdm's None: bars on a terminal only
-    bar = tqdm(
-        total=sum(plan.file(k).source_bytes for k in todo),
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc=f"{len(todo)} files",
-        disable=disable if todo else True,
-        dynamic_ncols=True,  # (cut to the terminal's width, as it is now)
-    )
+    results, todo = _found_complete(plan, task, numbers, folder, committer)
+    bar = _bar(plan, todo, quiet)
     progress = RunProgress(bar)
+    failures: dict[int, K3LabError] = {}
     late: list[BaseException] = []
     stopped = True
     try:
-        if todo and scheduler:
-            from k3lab.pipeline.running.cluster import run_on_dask
-
-            run_on_dask(
-                run_task,
-                task,
-                todo,
-                scheduler,
-                progress,
-                results,
-                failures,
-                lambda k: plan.file(k).source_bytes,
-                folder.plans.export() if task.private else None,
-            )
-        elif todo and jobs <= 1:
-            run_here(task, todo, progress, results, failures)
-        elif todo:
-            run_pool(task, todo, jobs, progress, results, failures)
+        if todo:
+            halt = threading.Event()
+            outcomes = _executor(plan, task, todo, jobs, scheduler, progress, halt, folder)
+            for k, outcome in outcomes:  # the one failure loop, whatever runs the tasks
+                if isinstance(outcome, K3LabError):
+                    failures[k] = outcome
+                    if gives_up(outcome):  # the machine's trouble: no new file would fare better
+                        halt.set()
+                    continue
+                results.append(outcome)
+                if committer is not None and outcome.record is not None:
+                    folder.records.write(outcome.record)  # (the worker's folder may be another machine's)
+                    committer.add(outcome.upload, outcome.record)
         stopped = False
     finally:
         for r in results:
@@ -307,10 +239,10 @@ def _convert_planned(
         bar.close()
         open_source(task.source).close()
         published_to = None
-        if committer is not None and not stopped:  # (Ctrl-C: nothing more is written)
+        if committer is not None and publication is not None and not stopped:  # (Ctrl-C: nothing more)
             try:
-                if not failures and publication is not None:
-                    _publish_singles(committer, publication, folder, task.run_token)
+                if not failures:
+                    _publish_beside(committer, publication, plan, task, options)
                 published_to = _final_commit(committer, plan, publication, not failures, task.out_dir)
             except K3LabError as e:
                 late.append(e)
@@ -332,27 +264,84 @@ def _convert_planned(
     return sorted(results, key=lambda r: r.number)
 
 
-def _record_published(folder: OutputFolder, committer: Committer, result: FileResult) -> None:
-    """A task's published file: its record kept here (the worker's folder may be another machine's)
-    and its upload committed with the next batch."""
-    if result.record is None:
-        return
-    folder.records.write(result.record)
-    committer.add(result.upload, result.record)
+def _found_complete(
+    plan: Plan, task: Task, numbers: list[int], folder: OutputFolder, committer: Committer | None
+) -> tuple[list[FileResult], list[int]]:
+    """The chosen files already done (in the folder, or, publishing, in the repo: its record is the
+    resume evidence), found here and sent nowhere; and those to do."""
+    done, todo = [], []
+    for k in numbers:
+        pf = plan.file(k)
+        if task.force:
+            todo.append(k)
+            continue
+        if committer is not None:
+            found = published(committer.state, pf.filename, pf.digest, k)
+            if found is not None:
+                folder.records.write(found)
+                done.append(FileResult(k, pf.filename, True, 0.0, pf.nbytes))
+                continue
+        elif folder.records.is_complete(k, pf.filename, pf.digest):
+            done.append(FileResult(k, pf.filename, True, 0.0, pf.nbytes))
+            continue
+        todo.append(k)
+    return done, todo
 
 
-def _publish_singles(
-    committer: Committer, publication: Publication, folder: OutputFolder, token: str
+def _bar(plan: Plan, todo: list[int], quiet: bool | None) -> Any:
+    """The run's one byte bar (source bytes converted; bytes down and up beside them)."""
+    disable = {True: True, False: None, None: False}[quiet]  # tqdm's None: bars on a terminal only
+    return tqdm(
+        total=sum(plan.file(k).source_bytes for k in todo),
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=f"{len(todo)} files",
+        disable=disable if todo else True,
+        dynamic_ncols=True,  # (cut to the terminal's width, as it is now)
+    )
+
+
+def _executor(
+    plan: Plan,
+    task: Task,
+    todo: list[int],
+    jobs: int,
+    scheduler: str | None,
+    progress: RunProgress,
+    halt: threading.Event,
+    folder: OutputFolder,
+) -> Iterator[tuple[int, FileResult | K3LabError]]:
+    """Where the tasks run: on the Dask cluster at ``scheduler``, in ``jobs`` worker processes, or
+    here; each yields ``(k, result or error)``."""
+    if scheduler:
+        from k3lab.pipeline.running.cluster import run_on_dask
+
+        state = folder.plans.export() if task.private else None
+        return run_on_dask(
+            run_task, task, todo, scheduler, progress, halt, lambda k: plan.file(k).source_bytes, state
+        )
+    if jobs <= 1:
+        return run_here(task, todo, progress, halt)
+    return run_pool(task, todo, jobs, progress, halt)
+
+
+def _publish_beside(
+    committer: Committer, publication: Publication, plan: Plan, task: Task, options: RunOptions
 ) -> None:
     """The files beside the set (the mmproj, the tokenizer GGUF), made here as part of this run and
     uploaded like the set's files (the local copies go unless ``keep_local``); committed with the
     set's last files. A run that uploaded nothing to a repo holding them already makes none."""
     target = publication.target
-    if publication.singles is None:  # (--text-only)
+    if not publication.beside:  # (--text-only)
         return
     if committer.uploaded == 0 and any(not r.is_text for r in committer.state.records.values()):
         return
-    for rec in publication.singles(token):
+    folder = OutputFolder(task.out_dir)
+    made = make_beside(
+        plan.model, task.source, task.out_dir, plan.basename, options.chat_template, task.run_token
+    )
+    for rec in made:
         op = upload(target, folder.output(rec.file))  # (a blob the repo has already is not sent again)
         rec.sha256 = op.upload_info.sha256.hex()
         folder.records.write(rec)
@@ -367,11 +356,8 @@ def _final_commit(
     """The last commit: what is pending and the manifest, and (the set complete) the extra files."""
     records = list(committer.records.values())
     whole = complete and {r.file for r in records if r.is_text} >= {pf.filename for pf in plan.files}
-    extra = (
-        publication.extra_files(plan, records, OutputFolder(out_dir).plans.kvs(plan))
-        if whole and publication.extra_files
-        else None
-    )
+    kvs = OutputFolder(out_dir).plans.kvs(plan) if whole else []
+    extra = extra_files(plan.model, plan, records, kvs, publication.target) if whole else None
     commit = committer.commit(extra, "k3lab: the whole set" if extra else "")
     target = publication.target
     return Published(target.repo, target.branch, committer.made, commit or committer.state.commit)

@@ -13,9 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import signal
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +20,9 @@ from typing import Any
 from k3lab.errors import K3LabError, MachineError
 from k3lab.pipeline.model import Model
 from k3lab.pipeline.planning.plan import Plan
-from k3lab.pipeline.progress import Stopped, TaskReport
+from k3lab.pipeline.progress import TaskReport
 from k3lab.pipeline.publishing.upload import PushTarget, upload
+from k3lab.pipeline.running import worker
 from k3lab.pipeline.running.events import worker_channel
 from k3lab.pipeline.running.stages import held, leave_pool, worker_stages
 from k3lab.pipeline.sources import open_source
@@ -55,19 +53,13 @@ def task_plan(model: Model, out_dir: str, plan_digest: str) -> Plan:
     return OutputFolder(out_dir).plans.require(model, plan_digest)
 
 
-# where this process's tasks report: set in worker processes by init_worker, and by run_here
-progress_queue: Any = None
-stopping = threading.Event()  # this process's run stopped: a background upload hears it and stops
-
-
 def _task_report(task: Task, number: int) -> TaskReport:
     """Where this task's messages go (the run's queue, or Dask's event stream), and how it hears of
     a stop (on Dask: the run's Event; elsewhere signals reach the process itself)."""
     if task.channel:
         emit, stop = worker_channel(task.channel)
         return TaskReport(number, emit, stop)
-    q = progress_queue
-    return TaskReport(number, q.put if q is not None else None, stopping.is_set)
+    return worker.report(number)
 
 
 def worker_folder(task: Task) -> tuple[str, SourceSpec]:
@@ -139,9 +131,7 @@ def run_task(
             if task.run_token and not task.private:
                 folder.lock.check_held(task.run_token)
 
-        global _converting
-        _converting += 1
-        try:
+        with worker.converting():
             with until_uploaded:
                 with until_converted:
                     if stages is not None:  # (taken while this task still holds its worker thread)
@@ -173,8 +163,6 @@ def run_task(
                     return result
                 publish()
                 return result
-        finally:
-            _converting -= 1
     finally:
         report.ended()
 
@@ -200,33 +188,3 @@ def gives_up(e: K3LabError) -> bool:
     """After this failure a run starts no more files: the machine's or the network's trouble (a full
     disk, the Hub down past its retry budget) would fail them all, one budget each."""
     return isinstance(e, MachineError)
-
-
-_converting = 0  # conversions running in this process (a SIGTERM then has cleaning up to do)
-
-
-def init_worker(progress_queue_: Any, parent: int) -> None:
-    """In each local worker process: report progress to the parent, and die with it (SIGINT is
-    ignored from birth: see processes.run_pool)."""
-    global progress_queue
-    progress_queue = progress_queue_
-    signal.signal(signal.SIGTERM, _worker_sigterm)
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="k3lab-parent-watch").start()
-
-
-def _worker_sigterm(signum: int, frame: Any) -> None:
-    """Mid-conversion: unwind, removing the .partial. Idle (waiting for a task, as the workers the
-    pool stops once one of them dies): nothing to clean up and nothing to say, so leave at once."""
-    if _converting:
-        raise Stopped(signal.Signals(signum).name)
-    os._exit(0)
-
-
-def _watch_parent(parent: int) -> None:
-    """The run that started this worker is gone (even by kill -9): stop as SIGTERM would, cleaning
-    up; if that takes too long, exit anyway."""
-    while os.getppid() == parent:
-        time.sleep(0.1)
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(1.0)
-    os._exit(70)

@@ -67,7 +67,6 @@ from k3lab.pipeline.sources.slots import Slot
 __all__ = ["HubError", "HubSource", "HubUnreachable", "RETRY_BUDGET", "hub_spec", "with_retries"]
 
 
-
 # --- the source ---------------------------------------------------------------------------------------
 
 

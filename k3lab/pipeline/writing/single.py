@@ -131,3 +131,34 @@ def convert_tokenizer(
         write_metadata_only(out, model.name, kvs)
         folder.records.write_single(out, "tokenizer", "tokenizer", out.stat().st_size, [])
     return out
+
+
+def beside_names(model: Model, basename: str) -> dict[str, str]:
+    """The files a set of ``basename`` has beside it, by their record's key: the standalone tokenizer
+    GGUF and the model's single file (Kimi-K3: ``Kimi-K3-tokenizer.gguf``, ``mmproj-Kimi-K3-BF16.gguf``)."""
+    names = {}
+    if model.tokenizer_kvs is not None:
+        names["tokenizer"] = model.tokenizer_name.format(basename=basename)
+    if model.single is not None:
+        names[model.single.key] = model.single.file_name.format(basename=basename, key=model.single.key)
+    return names
+
+
+def make_beside(
+    model: Model,
+    spec: SourceSpec,
+    out_dir: str | Path,
+    basename: str,
+    chat_template: str | None,
+    run_token: str,
+) -> list[Any]:
+    """The files beside the set, written into ``out_dir`` as part of the run holding it (a publishing
+    run makes them once the set is whole); their records."""
+    folder = OutputFolder(out_dir)
+    names = beside_names(model, basename)
+    if "tokenizer" in names:
+        convert_tokenizer(model, spec.meta_dir, folder.output(names["tokenizer"]), chat_template, run_token)
+    if model.single is not None:
+        convert_single(model, spec, folder.output(names[model.single.key]), run_token)
+    records = [folder.records.read(f"{key}.json") for key in names]
+    return [r for r in records if r is not None]

@@ -3,8 +3,6 @@ model's, in the words its ``Front`` gives for its tags."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from k3lab.pipeline.model import ALL, ANY, OUTPUT, Model, Rule
 
 GENERIC_TAGS = {ALL: "every layer", OUTPUT: "output shard", ANY: ""}
@@ -57,9 +55,3 @@ def tensor_map_markdown(model: Model) -> str:
         ]
     lines += [f"Transforms with an exact inverse (the tests use them): {inverses}.", ""]
     return "\n".join(lines)
-
-
-def tensor_map_command(req: Any, args: Any) -> int:
-    """`k3lab tensor-map`: the requested model's table on standard output."""
-    print(tensor_map_markdown(req.load_model()), end="")
-    return 0

@@ -20,11 +20,11 @@ from typing import Any
 from k3lab import __version__
 from k3lab.errors import K3LabError
 from k3lab.pipeline.model import Model
-from k3lab.pipeline.publishing.publish import COMMIT_EVERY, Publication
 from k3lab.pipeline.publishing.upload import PushTarget
 from k3lab.pipeline.state.record import MANIFEST_NAME, Record
 
 CARD_NAME, TENSOR_MAP_NAME = "README.md", "TENSOR_MAP.md"
+EXTRA_NAMES = (CARD_NAME, TENSOR_MAP_NAME)  # what ``extra_files`` makes
 SCALAR_TYPES = (str, int, float, bool)
 UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
 
@@ -233,7 +233,7 @@ def card_files(
     model: Model, plan: Any, records: list[Record], kvs: list[Any], repo: str, license: dict[str, str]
 ) -> dict[str, bytes]:
     """The card and the tensor map of a published set."""
-    from k3lab.tensor_map import tensor_map_markdown
+    from k3lab.pipeline.publishing.tensor_map import tensor_map_markdown
 
     if model.front is None:
         raise K3LabError(f"{model.name}: the model brings no card (its Front)")
@@ -244,24 +244,12 @@ def card_files(
     }
 
 
-def publication(
-    model: Model, target: PushTarget, commit_every: float | None = None, force: bool = False
-) -> Publication:
-    """A run that publishes to ``target``: its card, with the license of the model's base repo."""
-    license: dict[str, str] | None = None
-
-    def extra(plan: Any, records: list[Record], kvs: list[Any]) -> dict[str, bytes]:
-        nonlocal license
-        if license is None:
-            pinned = plan.inputs.get("pinned") or {}
-            base = pinned.get("repo") or (model.front.base_model if model.front else "")
-            license = source_license(base, target.endpoint, target.token) if base else {"license": "unknown"}
-        return card_files(model, plan, records, kvs, target.repo, license)
-
-    return Publication(
-        target,
-        extra,
-        COMMIT_EVERY if commit_every is None else commit_every,
-        force,
-        (CARD_NAME, TENSOR_MAP_NAME),
-    )
+def extra_files(
+    model: Model, plan: Any, records: list[Record], kvs: list[Any], target: PushTarget
+) -> dict[str, bytes]:
+    """What the last commit of a whole set adds beside it: the card (with the license of the source's
+    repo, or of the model's base repo for a local copy) and the tensor map."""
+    pinned = plan.inputs.get("pinned") or {}
+    base = pinned.get("repo") or (model.front.base_model if model.front else "")
+    license = source_license(base, target.endpoint, target.token) if base else {"license": "unknown"}
+    return card_files(model, plan, records, kvs, target.repo, license)
