@@ -101,7 +101,7 @@ def bench_repack() -> list[tuple[str, str, str]]:
 
 CONVERT_ONE = """
 import resource, sys, time
-from k3lab.pipeline.running.runner import start_run
+from k3lab.pipeline.running.start import start_run
 from k3lab.pipeline.sources import open_source
 from k3lab.pipeline.sources.base import SourceSpec
 from k3lab.pipeline.writing.convert import convert_file
@@ -114,7 +114,7 @@ if nohash:  # measure the manifest's cost: the same run with a hasher that does 
     k3lab.formats.hashing.sha256 = Null
 from k3lab.kimi_k3.model import MODEL
 from k3lab.pipeline.planning.split import make_split
-from k3lab.pipeline.running.runner import RunOptions
+from k3lab.pipeline.running.start import RunOptions
 spec = SourceSpec.local(src)
 with start_run(MODEL, spec, out, RunOptions(split=make_split(None, 1))) as (plan, _, _):  # a layer per file
     source = open_source(spec)
@@ -140,7 +140,7 @@ def _layer_row(experts: int) -> list[tuple[str, str, str]]:
     import tempfile
     from pathlib import Path
 
-    from k3lab.synth import synthesize
+    from k3lab.kimi_k3.synth import synthesize
 
     with tempfile.TemporaryDirectory(dir=".") as tmp:
         src, out = Path(tmp) / "src", Path(tmp) / "out"
@@ -267,7 +267,7 @@ def bench_fullscale() -> list[tuple[str, str, str]]:
     import tempfile
     from pathlib import Path
 
-    from k3lab.synth import synthesize
+    from k3lab.kimi_k3.synth import synthesize
 
     rows: list[tuple[str, str, str]] = []
     with tempfile.TemporaryDirectory(dir=".") as tmp:
@@ -435,7 +435,7 @@ def bench_layouts() -> list[tuple[str, str, str]]:
     import json
     import tempfile
 
-    from k3lab.synth import synthesize
+    from k3lab.kimi_k3.synth import synthesize
 
     rows: list[tuple[str, str, str]] = []
     k3 = [sys.executable, "-m", "k3lab.cli"]
@@ -529,7 +529,7 @@ def bench_notebooks() -> list[tuple[str, str, str]]:
     import tempfile
     from pathlib import Path
 
-    from k3lab.synth import synthesize
+    from k3lab.kimi_k3.synth import synthesize
 
     root = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory(dir=".") as tmp:
@@ -578,9 +578,9 @@ def bench_tokenizer() -> list[tuple[str, str, str]]:
 
     from k3lab.formats.bpe_merges import merges_reference
     from k3lab.kimi_k3.config import K3Config
+    from k3lab.kimi_k3.synth.generate import write_tokenizer_files
+    from k3lab.kimi_k3.synth.presets import real_config
     from k3lab.kimi_k3.tokenizer import build_vocabulary, token_to_unicode
-    from k3lab.synth.generate import write_tokenizer_files
-    from k3lab.synth.presets import real_config
 
     with tempfile.TemporaryDirectory() as tmp:
         meta = Path(tmp)
@@ -939,8 +939,8 @@ def bench_dense() -> list[tuple[str, str, str]]:
 
 def _six_layers(out: Path) -> Path:
     """A checkpoint of one dense and six MoE layers at the real expert dims, 16 experts each."""
-    from k3lab.synth import PRESETS, synthesize
-    from k3lab.synth.presets import layer_config
+    from k3lab.kimi_k3.synth import PRESETS, synthesize
+    from k3lab.kimi_k3.synth.presets import layer_config
 
     if not (out / "config.json").exists():
         PRESETS["six-layers"] = functools.partial(layer_config, 7)

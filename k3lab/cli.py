@@ -92,7 +92,8 @@ def _check_logits(req: Request, args: argparse.Namespace) -> int:
 def _batch(req: Request, args: argparse.Namespace) -> int:
     from k3lab.pipeline.running.batch import summary
 
-    run_dir, results = request.batch(req, args.notebook, args.workers, args.run_id, args.runs_dir)
+    timeouts = (args.cell_timeout, args.notebook_timeout)
+    run_dir, results = request.batch(req, args.notebook, args.workers, args.run_id, args.runs_dir, timeouts)
     print(summary(run_dir, results))
     return 0 if all(r.status == "ok" for r in results) else 1
 
@@ -165,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = command(
         "synth",
-        _front("k3lab.synth.report", "synth_cli"),
+        _front("k3lab.kimi_k3.synth.report", "synth_cli"),
         "write a synthetic Kimi-K3 checkpoint",
         model=False,
     )
@@ -232,8 +233,26 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--files", "--shards", dest="shards", metavar="LIST", help=FILES_HELP)
     b.add_argument("--scheduler", help="address of a running Dask scheduler (default: a LocalCluster)")
     b.add_argument("--workers", type=JOBS, default=2, help="LocalCluster worker processes")
-    b.add_argument("--run-id", help="default: a timestamp")
-    b.add_argument("--runs-dir", default="papermill_runs")
+    b.add_argument("--run-id", help="the run's folder name under --runs-dir (default: a timestamp)")
+    b.add_argument(
+        "--runs-dir",
+        default="papermill_runs",
+        help="where executed notebooks are kept (default: papermill_runs)",
+    )
+    b.add_argument(
+        "--cell-timeout",
+        type=SECONDS,
+        metavar="S",
+        default=600.0,
+        help="seconds one cell may run before its notebook is stopped (default 600)",
+    )
+    b.add_argument(
+        "--notebook-timeout",
+        type=SECONDS,
+        metavar="S",
+        default=3600.0,
+        help="seconds one notebook may run in all (default 3600)",
+    )
 
     vi = command(
         "vision", lambda req, a: print(request.vision(req, a.out)), "the vision tower as an mmproj GGUF"

@@ -14,8 +14,8 @@ from typing import Any
 
 from k3lab import request
 from k3lab.errors import K3LabError
+from k3lab.kimi_k3.synth.report import describe
 from k3lab.request import Request
-from k3lab.synth.report import describe
 from k3lab.util import human_bytes
 
 

@@ -123,7 +123,7 @@ class Request:
     def run_options(self) -> tuple[Any, str]:
         """``RunOptions`` and the line saying which chat template is embedded."""
         from k3lab.pipeline.planning.split import make_split
-        from k3lab.pipeline.running.runner import RunOptions
+        from k3lab.pipeline.running.start import RunOptions
         from k3lab.values import basename as check_basename
 
         model = self.load_model()
@@ -185,7 +185,7 @@ def scratch(req: Request) -> Iterator[str | None]:
 def plan(req: Request, say: Say | None = None) -> Any:
     """The plan of converting the request's source (saved in ``out_dir`` when given, as convert would)."""
     from k3lab.pipeline.planning.planner import build_plan
-    from k3lab.pipeline.running.runner import start_run
+    from k3lab.pipeline.running.start import start_run
     from k3lab.values import basename as check_basename
 
     model = req.load_model()
@@ -317,7 +317,7 @@ def prepared(req: Request) -> tuple[Any, Any]:
     """The plan of converting into ``out_dir`` as ``convert`` would use it (the saved one when it is
     current, else a new one), and the source it reads; nothing is written (a notebook, or a batch run
     holding the folder)."""
-    from k3lab.pipeline.running.runner import prepare
+    from k3lab.pipeline.running.start import prepare
 
     options, _ = req.run_options()
     spec = req.output_source()
@@ -358,26 +358,36 @@ def check_logits(
         return report, check_stages(source, gguf, report.tokens, mode)
 
 
-def batch(req: Request, notebook: str, workers: int, run_id: str | None, runs_dir: str) -> tuple[Path, list]:
-    """``notebook`` once per requested shard with papermill, as part of one run holding the folder."""
-    from k3lab.pipeline.running.batch import run_batch
-    from k3lab.pipeline.running.runner import start_run
+def batch(
+    req: Request,
+    notebook: str,
+    workers: int,
+    run_id: str | None,
+    runs_dir: str,
+    timeouts: tuple[float, float] | None = None,
+) -> tuple[Path, list]:
+    """``notebook`` once per requested output file with papermill, as part of one run holding the
+    folder: ``k3lab batch``. ``timeouts``: (per cell, per notebook) seconds."""
+    import time
+    import uuid
 
+    from k3lab.pipeline.running.batch import CELL_TIMEOUT, NOTEBOOK_TIMEOUT
+    from k3lab.pipeline.running.runner import run_notebooks
+
+    if not Path(notebook).is_file():
+        raise K3LabError(f"{notebook}: notebook not found (the repository's are in notebooks/)")
     options, _ = req.run_options()
-    with start_run(req.load_model(), req.output_source(), req.out_dir, options, shards=req.shards) as (
-        _,
-        token,
-        numbers,
-    ):
-        return run_batch(
-            notebook,
-            req.meta,
-            req.src or req.meta,
-            req.out_dir,
-            numbers,
-            req.scheduler,
-            workers,
-            run_id,
-            runs_dir,
-            run_token=token,
-        )
+    run_dir = Path(runs_dir) / (run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
+    results = run_notebooks(
+        req.load_model(),
+        req.output_source(),
+        req.out_dir or "",
+        options,
+        notebook,
+        req.shards,
+        req.scheduler,
+        workers,
+        run_dir,
+        timeouts or (CELL_TIMEOUT, NOTEBOOK_TIMEOUT),
+    )
+    return run_dir, results

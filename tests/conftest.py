@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from k3lab.synth import synthesize
+from k3lab.kimi_k3.synth import synthesize
 
 
 @pytest.fixture(scope="session")
@@ -48,7 +48,7 @@ def saved_plan(src: Path, out: Path, per_layer: bool = True):
     """Plan converting ``src`` into ``out`` and save it there, as a run does (then release the folder)."""
     from k3lab.kimi_k3.model import MODEL
     from k3lab.pipeline.planning.split import make_split
-    from k3lab.pipeline.running.runner import RunOptions, start_run
+    from k3lab.pipeline.running.start import RunOptions, start_run
     from k3lab.pipeline.sources.base import SourceSpec
 
     options = RunOptions(split=make_split(None, 1) if per_layer else None)

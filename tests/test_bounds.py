@@ -19,7 +19,7 @@ from conftest import PER_LAYER
 from hub_server import HubServer
 
 from k3lab.cli import main
-from k3lab.synth import synthesize
+from k3lab.kimi_k3.synth import synthesize
 
 REPO = "moonshotai/Kimi-K3"
 TARGET = "k3lab-test/Kimi-K3-GGUF"

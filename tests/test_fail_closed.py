@@ -18,7 +18,7 @@ import pytest
 from conftest import convert
 
 from k3lab.cli import main
-from k3lab.synth import synthesize
+from k3lab.kimi_k3.synth import synthesize
 
 K3LAB = [sys.executable, "-m", "k3lab.cli"]
 

@@ -22,8 +22,8 @@ from test_bad_input import _tensors, _write
 from test_convert import _expected
 
 from k3lab.cli import main
-from k3lab.synth import synthesize
-from k3lab.synth.presets import tiny_config
+from k3lab.kimi_k3.synth import synthesize
+from k3lab.kimi_k3.synth.presets import tiny_config
 
 LAYOUTS = ("moonshot", "one-file", "by-size:700000")
 ONE = "Kimi-K3-8x1.9M-MXFP4.gguf"  # tiny in one file: name, size label, type, as upstream names it

@@ -15,8 +15,8 @@ from llama_support import needs_llama
 from k3lab.cli import main
 from k3lab.kimi_k3.config import K3Config
 from k3lab.kimi_k3.reference import Reference, round_q8_0
+from k3lab.kimi_k3.synth import synthesize
 from k3lab.pipeline.sources.local import LocalSource
-from k3lab.synth import synthesize
 
 pytestmark = needs_llama
 

@@ -10,12 +10,12 @@ import pytest
 from k3lab.formats.bpe_merges import bpe_merges, merges_reference
 from k3lab.kimi_k3.config import K3Config
 from k3lab.kimi_k3.model import MODEL
+from k3lab.kimi_k3.synth import synthesize
+from k3lab.kimi_k3.synth.generate import write_tokenizer_files
+from k3lab.kimi_k3.synth.presets import real_config
 from k3lab.kimi_k3.tokenizer import read_tiktoken
 from k3lab.pipeline.planning.planner import build_plan
 from k3lab.pipeline.sources.local import LocalSource
-from k3lab.synth import synthesize
-from k3lab.synth.generate import write_tokenizer_files
-from k3lab.synth.presets import real_config
 
 pytestmark = pytest.mark.slow
 

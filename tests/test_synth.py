@@ -12,9 +12,9 @@ import pytest
 import tiktoken
 from safetensors import safe_open
 
-from k3lab.synth import synthesize
-from k3lab.synth.bpe import KIMI_PAT_STR, TINY_RANKS, corpus, format_tiktoken, shipped_tiktoken, train
-from k3lab.synth.presets import real_config
+from k3lab.kimi_k3.synth import synthesize
+from k3lab.kimi_k3.synth.bpe import KIMI_PAT_STR, TINY_RANKS, corpus, format_tiktoken, shipped_tiktoken, train
+from k3lab.kimi_k3.synth.presets import real_config
 
 H, HEADS, KDA_HD, NOPE, ROPE, V, QL, KVL = 128, 4, 32, 32, 16, 32, 64, 64
 E, FF_E, LAT, FF, SHARED, VOCAB = 8, 64, 96, 256, 2, 1792

@@ -15,6 +15,7 @@ from llama_support import detokenize, needs_llama
 from k3lab.cli import main
 from k3lab.formats.bpe_merges import bpe_merges, merges_reference
 from k3lab.kimi_k3.model import MODEL
+from k3lab.kimi_k3.synth.generate import extend_vocab
 from k3lab.kimi_k3.tokenizer import (
     KIMI_PAT_STR,
     TokenizerError,
@@ -23,7 +24,6 @@ from k3lab.kimi_k3.tokenizer import (
     token_to_unicode,
 )
 from k3lab.pipeline.writing.single import convert_tokenizer
-from k3lab.synth.generate import extend_vocab
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

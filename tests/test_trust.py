@@ -24,7 +24,7 @@ from conftest import PER_LAYER
 from test_bad_input import _tensors, _write
 
 from k3lab.cli import main
-from k3lab.synth import synthesize
+from k3lab.kimi_k3.synth import synthesize
 
 K3LAB = [sys.executable, "-m", "k3lab.cli"]
 INDEX = "model.safetensors.index.json"
@@ -296,7 +296,7 @@ def test_a_plan_whose_bytes_changed_reads_as_absent(drawn: Path, tmp_path: Path,
     """One byte of the plan's config edited (a field no file digest covers); forged: with the state
     line's digest recomputed, so that only the comparison with config.json on disk catches it."""
     from k3lab.kimi_k3.model import MODEL
-    from k3lab.pipeline.running.runner import prepare
+    from k3lab.pipeline.running.start import prepare
     from k3lab.pipeline.sources.base import SourceSpec
     from k3lab.pipeline.state import OutputFolder
 

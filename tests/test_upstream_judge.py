@@ -162,7 +162,7 @@ def test_upstream_agrees_on_moonshots_checkpoints_as_transformers_saves_them(
     files): upstream's converter and k3lab's one file hold the same tensors and keys."""
     import moonshot
 
-    from k3lab.synth.presets import tiny_config
+    from k3lab.kimi_k3.synth.presets import tiny_config
 
     python, vendor = judge
     src = moonshot.save(

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from k3lab import request
+from k3lab.errors import K3LabError
 from k3lab.request import Request
 
 
@@ -80,6 +81,18 @@ def open_checkpoint(
     source = request.opened(req)
     source.weight_map  # noqa: B018 - the index is read now, when the checkpoint is opened, not by a view
     return req.load_model().load_config(Path(req.meta)), source
+
+
+def ensure_demo(folder: str | Path, model: str = "kimi-k3") -> Path:
+    """The model's small synthetic checkpoint in ``folder`` (what `k3lab demo` writes), made when it
+    is missing: a notebook run with no checkpoint of its own looks at this one."""
+    folder = Path(folder)
+    if not (folder / "config.json").exists():
+        front = Request(model=model).load_model().front
+        if front is None:
+            raise K3LabError(f"--model {model}: brings no demo checkpoint")
+        front.demo(folder, 0)
+    return folder
 
 
 def fetched(source: Any) -> str:

@@ -30,7 +30,7 @@ def _card() -> str:
 
 
 def _demo(folder: Path, seed: int) -> Any:
-    from k3lab.synth import synthesize
+    from k3lab.kimi_k3.synth import synthesize
 
     return synthesize("tiny", folder, seed=seed)
 

@@ -1,158 +1,181 @@
-"""Batch runs: a notebook executed once per output file with papermill, fanned out on Dask distributed.
+"""Batch runs: a notebook executed once per output file with papermill, as tasks of the one runner
+(``runner.run_notebooks``): on Dask (a LocalCluster, or ``--scheduler``), one loop, one cancel.
 
-``run_batch`` starts a LocalCluster (or joins a scheduler) and runs ``notebook`` for each output
-file with parameters ``meta``, ``src``, ``out_dir`` and ``file``; each executed notebook is kept as
-``papermill_runs/<run-id>/file-NN.ipynb``. A failed file does not stop the others: it is reported
-in the summary and converted by running the same command again (finished files are found complete
-and kept). Concurrent kernel starts can race for ports (a known papermill and
-jupyter_client problem), so a kernel that fails to start is retried after a random pause.
+Each task runs papermill in a process of its own (its kernel a child of it) with parameters
+``meta``, ``src``, ``out_dir`` and ``file``, keeping the executed notebook as
+``papermill_runs/<run-id>/file-NN.ipynb``. Nothing can hang it: every cell has ``cell_timeout``
+seconds and the notebook ``notebook_timeout`` (a kernel that stops answering, a widget waiting for a
+front end), after which its process group is killed and the task reports one line naming the
+notebook and the cell that was running. A failed file does not stop the others: it is listed, and
+running the same command again converts it (finished files are found complete and kept).
+Concurrent kernel starts can race for ports (a known papermill and jupyter_client problem), so a
+kernel that fails to start is tried again after a short pause, at most ``START_ATTEMPTS`` times.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import signal
+import subprocess
+import sys
 import time
-import uuid
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
-from k3lab.errors import K3LabError
-from k3lab.pipeline.state import OutputFolder
-
-CELL_TIMEOUT = 4 * 3600  # seconds one cell may take (a real shard converts in under a minute): never hang
+CELL_TIMEOUT = 600.0  # seconds one cell may run (converting a real layer takes under a minute)
+NOTEBOOK_TIMEOUT = 3600.0  # seconds a whole notebook may run
+START_ATTEMPTS = 4
 KERNEL_START_ERRORS = (
     "Kernel died before replying",
     "Address already in use",
     "kernel_info",
     "ZMQError",
     "Kernel didn't respond",
-    "TimeoutError",
 )
 
 
+@dataclass(frozen=True)
+class NotebookTask:
+    """What a worker needs to run one notebook per output file (plain values: it travels to Dask)."""
+
+    notebook: str
+    run_dir: str
+    parameters: tuple[tuple[str, Any], ...]  # the same for every file (meta, src, out_dir, run_token)
+    run_token: str
+    cell_timeout: float = CELL_TIMEOUT
+    notebook_timeout: float = NOTEBOOK_TIMEOUT
+    channel: str = ""  # set by the runner on Dask
+
+
 @dataclass
-class ShardRun:
+class NotebookRun:
     file: int  # the output file the notebook ran for
     status: str  # ok | failed
     seconds: float
     notebook: str
     error: str = ""
+    number: int = 0  # (the runner's name for the file)
+    skipped: bool = False
+
+    def __post_init__(self) -> None:
+        self.number = self.file
 
 
-def execute_shard(notebook: str, output: str, parameters: dict[str, Any], attempts: int = 4) -> ShardRun:
-    """Run one notebook with papermill (on a Dask worker); never raises, reports instead."""
-    import papermill
-
+def run_notebook(
+    task: NotebookTask, number: int, next_number: Any = None, plan_state: Any = None
+) -> NotebookRun:
+    """The notebook for output file ``number``, run by papermill in a process of its own within the
+    task's timeouts; never raises for the notebook's own failure: reports it."""
+    output = str(Path(task.run_dir) / f"file-{number:02d}.ipynb")
+    parameters = {**dict(task.parameters), "file": number}
     t0 = time.perf_counter()
-    shard = int(parameters["file"])
-    for attempt in range(attempts):
-        try:
-            papermill.execute_notebook(
-                notebook,
-                output,
-                parameters=parameters,
-                kernel_name="python3",
-                progress_bar=False,
-                log_output=False,
-                start_timeout=120,
-                execution_timeout=CELL_TIMEOUT,
-            )
-            return ShardRun(shard, "ok", time.perf_counter() - t0, output)
-        except Exception as e:  # papermill raises its own and jupyter_client's errors
-            text = f"{type(e).__name__}: {e}"
-            if attempt + 1 < attempts and any(k in text for k in KERNEL_START_ERRORS):
-                time.sleep(random.uniform(0.5, 2.0) * (attempt + 1))  # a port race: try again
-                continue
-            last = text.strip().splitlines()
-            return ShardRun(shard, "failed", time.perf_counter() - t0, output, last[-1] if last else text)
-    raise AssertionError("unreachable")  # pragma: no cover
+    error = ""
+    for attempt in range(START_ATTEMPTS):
+        error = _papermill(task, output, parameters)
+        if not error:
+            return NotebookRun(number, "ok", time.perf_counter() - t0, output)
+        if attempt + 1 < START_ATTEMPTS and any(k in error for k in KERNEL_START_ERRORS):
+            time.sleep(random.uniform(0.5, 2.0) * (attempt + 1))  # a port race: try again
+            continue
+        break
+    return NotebookRun(number, "failed", time.perf_counter() - t0, output, error)
 
 
-def dask_map(
-    fn: Callable[..., Any],
-    calls: Iterable[tuple],
-    scheduler: str | None = None,
-    workers: int = 2,
-    desc: str = "files",
-    quiet: bool = False,
-) -> list[Any]:
-    """fn(*args) for each args on Dask: a LocalCluster of ``workers`` processes, or ``scheduler``.
-    A call that raised k3lab's own error (bad input) is returned as that exception, so one bad
-    shard does not hide the others' results; anything else is raised."""
-    from dask.distributed import Client, LocalCluster, as_completed
+_RUN = """
+import json, sys, papermill
+args = json.loads(sys.argv[1])
+papermill.execute_notebook(args["notebook"], args["output"], parameters=args["parameters"],
+    kernel_name="python3", progress_bar=False, log_output=False, start_timeout=120,
+    execution_timeout=args["cell_timeout"])
+"""
 
-    calls = list(calls)
-    cluster = None
-    if scheduler:
-        client = Client(scheduler)
-    else:
-        cluster = LocalCluster(
-            n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None
-        )
-        client = Client(cluster)
+
+def _papermill(task: NotebookTask, output: str, parameters: dict[str, Any]) -> str:
+    """'' when the notebook ran to its end; else one line saying why (the cell that failed or hung)."""
+    args = {
+        "notebook": task.notebook,
+        "output": output,
+        "parameters": parameters,
+        "cell_timeout": task.cell_timeout,
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _RUN, json.dumps(args)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # (its kernel joins the group: killed with it)
+    )
     try:
-        futures = [client.submit(fn, *args, pure=False) for args in calls]
-        results = []
-        with tqdm(
-            total=len(futures), desc=desc, unit="file", disable=True if quiet else None, dynamic_ncols=True
-        ) as bar:
-            for fut in as_completed(futures):
-                try:
-                    results.append(fut.result())
-                except K3LabError as e:
-                    results.append(e)
-                bar.update(1)
-        return results
+        _, err = proc.communicate(timeout=task.notebook_timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        return f"{Path(task.notebook).name}: {_running_cell(output)} still running after the notebook's {task.notebook_timeout:g} s; stopped"
+    except BaseException:  # Ctrl-C, a cancel: the kernel goes with it
+        _kill_group(proc)
+        raise
     finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
+        _kill_group(proc)  # (a kernel left behind by papermill's own exit)
+    if proc.returncode == 0:
+        return ""
+    lines = [ln for ln in (err or "").strip().splitlines() if ln.strip()]
+    said = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "")
+    if "CellTimeoutError" in err or "timed out" in said:
+        return f"{Path(task.notebook).name}: {_running_cell(output)} ran past its {task.cell_timeout:g} s; stopped"
+    return f"{Path(task.notebook).name}: {said.strip()[:300] or f'papermill exit {proc.returncode}'}"
 
 
-def run_batch(
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def _running_cell(output: str) -> str:
+    """Which cell was running when a notebook was stopped, from papermill's own record of it in the
+    executed notebook (``metadata.papermill.status``), as ``cell N (its first line)``."""
+    try:
+        nb = json.loads(Path(output).read_text()[: 64 << 20])
+        for i, cell in enumerate(nb.get("cells", [])):
+            if cell.get("metadata", {}).get("papermill", {}).get("status") == "running":
+                first = "".join(cell.get("source", "")).strip().splitlines()[:1]
+                return f"cell {i + 1} ({first[0][:60]!r})" if first else f"cell {i + 1}"
+    except (OSError, ValueError, AttributeError):
+        pass
+    return "a cell"
+
+
+def notebook_task(
     notebook: str | Path,
     meta: str | Path,
     src: str | Path,
     out_dir: str | Path,
-    shards: list[int],
-    scheduler: str | None = None,
-    workers: int = 2,
-    run_id: str | None = None,
-    runs_dir: str | Path = "papermill_runs",
-    run_token: str | None = None,
-) -> tuple[Path, list[ShardRun]]:
-    """Run ``notebook`` once per output file (``shards``). ``run_token`` is the token of the run holding ``out_dir``'s
-    lock (the notebooks convert into it as part of that run)."""
-    if not Path(notebook).is_file():
-        raise K3LabError(f"{notebook}: notebook not found (the repository's are in notebooks/)")
-    run_id = run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-    run_dir = Path(runs_dir) / run_id
-    run_dir.mkdir(parents=True, exist_ok=True)
-    calls = [
-        (
-            str(Path(notebook).resolve()),
-            str((run_dir / f"file-{k:02d}.ipynb").resolve()),
-            {
-                "meta": str(Path(meta).resolve()),
-                "src": str(Path(src).resolve()),
-                "out_dir": str(Path(out_dir).resolve()),
-                "file": k,
-                **({"run_token": run_token} if run_token else {}),
-            },
-        )
-        for k in shards
-    ]
-    results = dask_map(execute_shard, calls, scheduler, workers)
-    if Path(out_dir).exists():
-        OutputFolder(out_dir).records.merge()
-    return run_dir, sorted(results, key=lambda r: r.file)
+    run_dir: Path,
+    run_token: str,
+    cell_timeout: float = CELL_TIMEOUT,
+    notebook_timeout: float = NOTEBOOK_TIMEOUT,
+) -> NotebookTask:
+    parameters = {
+        "meta": str(Path(meta).resolve()),
+        "src": str(Path(src).resolve()),
+        "out_dir": str(Path(out_dir).resolve()),
+        "run_token": run_token,
+    }
+    return NotebookTask(
+        str(Path(notebook).resolve()),
+        str(run_dir.resolve()),
+        tuple(sorted(parameters.items())),
+        run_token,
+        cell_timeout,
+        notebook_timeout,
+    )
 
 
-def summary(run_dir: Path, results: list[ShardRun]) -> str:
+def summary(run_dir: Path, results: list[NotebookRun]) -> str:
     lines = [f"run {run_dir}", f"{'file':>5}  {'status':<7} {'seconds':>8}  notebook / error"]
     for r in results:
         lines.append(

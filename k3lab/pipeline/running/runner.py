@@ -6,11 +6,9 @@ when asked (``publish``), list what failed, and merge the manifest.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,134 +17,19 @@ from tqdm.auto import tqdm  # a widget bar in a notebook, a text bar on a termin
 from k3lab.errors import K3LabError, MachineError
 from k3lab.pipeline.model import Model
 from k3lab.pipeline.planning.plan import Plan
-from k3lab.pipeline.planning.planner import make_plan, plan_options, still_current
-from k3lab.pipeline.planning.split import Split
 from k3lab.pipeline.progress import RunProgress
 from k3lab.pipeline.publishing.card import extra_files
 from k3lab.pipeline.publishing.publish import Committer, Publication, open_committer, published
 from k3lab.pipeline.publishing.upload import upload
 from k3lab.pipeline.running.processes import run_here, run_pool
+from k3lab.pipeline.running.start import RunOptions, _ranges, start_run
 from k3lab.pipeline.running.task import Task, gives_up, run_task
 from k3lab.pipeline.sources import open_source
-from k3lab.pipeline.sources.base import Source, SourceSpec
+from k3lab.pipeline.sources.base import SourceSpec
 from k3lab.pipeline.state import OutputFolder
 from k3lab.pipeline.state.record import Published
 from k3lab.pipeline.writing.convert import FileResult
 from k3lab.pipeline.writing.single import make_beside
-from k3lab.values import basename as check_basename
-from k3lab.values import output_files
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    outtype: str = "auto"
-    basename: str | None = None  # the model's default
-    chat_template: str | None = None
-    force: bool = False
-    split: Split | None = None  # how the set is cut into files (None: as the folder's plan has it)
-
-
-def prepare(
-    model: Model,
-    spec: SourceSpec,
-    out_dir: str | Path,
-    options: RunOptions = RunOptions(),
-    say: Callable[[str], None] | None = None,
-    source: Source | None = None,
-) -> tuple[Plan, list | None]:
-    """The plan for this output folder, every input checked: the saved one when it can be trusted
-    and its inputs are unchanged, else a new one with the KVs to save (``say`` hears which files a
-    moved source changes). Reads through ``source`` when given (a notebook's, which then knows what
-    was fetched). Writes nothing."""
-    basename = check_basename(model.default_basename if options.basename is None else options.basename)
-    folder = OutputFolder(out_dir)
-    folder.check_state_dir()
-    if source is None:
-        source = open_source(spec, fresh=True)
-        source.fetch_meta()
-    saved = folder.plans.load(model)
-    # a folder keeps its set's split unless the request names one; a new folder takes the default
-    split = options.split or (saved.split if saved is not None else Split())
-    if saved is not None and still_current(
-        saved, source, plan_options(options.outtype, basename, options.chat_template, split)
-    ):
-        return saved, None
-    bar = tqdm(
-        desc="planning", unit="shard", disable=True if say is None else None, leave=False, dynamic_ncols=True
-    )
-
-    def planned(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
-
-    try:
-        plan, kvs = make_plan(model, source, options.outtype, basename, options.chat_template, planned, split)
-    finally:
-        bar.close()
-    if saved is not None and say is not None:
-        say(describe_change(saved, plan))
-    return plan, kvs
-
-
-def describe_change(saved: Plan, plan: Plan) -> str:
-    """One line: what a new plan changes against the saved one (a source that moved, new options)."""
-    before, after = saved.inputs.get("pinned") or {}, plan.inputs.get("pinned") or {}
-    old = {f.number: f.digest for f in saved.files}
-    changed = [f.number for f in plan.files if old.get(f.number) != f.digest]
-    moved = [f"{k} {before.get(k, '?')[:12]} -> {after[k][:12]}" for k in after if before.get(k) != after[k]]
-    what = f"the source moved ({', '.join(moved)})" if moved else "the inputs changed"
-    if not changed:
-        return f"{what}: no output file changes; finished files are kept"
-    return (
-        f"{what}: {len(changed)} of {len(plan.files)} output files change "
-        f"({_ranges(changed)}) and are converted again; the others are kept"
-    )
-
-
-def _ranges(numbers: list[int]) -> str:
-    """1,2,3,5 -> '1-3,5' (as --shards takes them)."""
-    spans: list[list[int]] = []
-    for k in sorted(set(numbers)):
-        if spans and spans[-1][1] == k - 1:
-            spans[-1][1] = k
-        else:
-            spans.append([k, k])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
-
-
-@contextlib.contextmanager
-def start_run(
-    model: Model,
-    spec: SourceSpec,
-    out_dir: str | Path,
-    options: RunOptions = RunOptions(),
-    run_token: str | None = None,
-    shards: list[int] | str | None = None,
-    say: Callable[[str], None] | None = None,
-) -> Iterator[tuple[Plan, str, list[int]]]:
-    """Plan and pick the files (failing before anything is written), then hold the folder for the
-    block: lock, save a new plan, remove what a killed run left. With ``run_token``, join the run
-    holding the lock."""
-    plan, kvs = prepare(model, spec, out_dir, options, say)
-    numbers = (
-        output_files(",".join(str(k) for k in shards) or "-", len(plan.files))
-        if isinstance(shards, list)
-        else output_files(shards, len(plan.files))
-    )
-    folder = OutputFolder(out_dir)
-    with folder.hold(run_token) as token:
-        if kvs is not None:
-            folder.plans.save(plan, kvs)
-            gone = folder.records.retire(plan)
-            if gone and say is not None:
-                say(
-                    f"the set is now {len(plan.files)} file{'s' if len(plan.files) > 1 else ''} "
-                    f"({plan.files[0].filename}{' ...' if len(plan.files) > 1 else ''}): removed the "
-                    f"{len(gone)} files of its earlier split that k3lab wrote here ({gone[0]} ...)"
-                )
-        if run_token is None:
-            folder.remove_partials()
-        yield plan, token, numbers
 
 
 class RunFailed(K3LabError):
@@ -173,7 +56,7 @@ def convert_shards(
     jobs: int = 1,
     quiet: bool | None = False,
     scheduler: str | None = None,
-    options: RunOptions = RunOptions(),
+    options: RunOptions | None = None,
     run_token: str | None = None,
     publication: Publication | None = None,
 ) -> list[FileResult]:
@@ -183,6 +66,7 @@ def convert_shards(
     each worker writes into a folder of its own: nothing is shared but the Hub) and the run commits
     them. Progress: none when ``quiet`` (errors only); shown on a terminal only when False; always
     when None (a notebook, whose output is no terminal)."""
+    options = options or RunOptions()
     say = None if quiet else _say
     with start_run(model, spec, out_dir, options, run_token, shards, say) as (plan, token, numbers):
         spec = spec.with_options(plan.inputs.get("pinned") or {})  # every task reads what was planned
@@ -219,18 +103,17 @@ def _convert_planned(
     stopped = True
     try:
         if todo:
+
+            def finished(result: FileResult) -> None:
+                results.append(result)
+                if committer is not None and result.record is not None:
+                    folder.records.write(result.record)  # (the worker's folder may be another machine's)
+                    committer.add(result.upload, result.record)
+
             halt = threading.Event()
-            outcomes = _executor(plan, task, todo, jobs, scheduler, progress, halt, folder)
-            for k, outcome in outcomes:  # the one failure loop, whatever runs the tasks
-                if isinstance(outcome, K3LabError):
-                    failures[k] = outcome
-                    if gives_up(outcome):  # the machine's trouble: no new file would fare better
-                        halt.set()
-                    continue
-                results.append(outcome)
-                if committer is not None and outcome.record is not None:
-                    folder.records.write(outcome.record)  # (the worker's folder may be another machine's)
-                    committer.add(outcome.upload, outcome.record)
+            failures = collect(
+                _executor(plan, task, todo, jobs, scheduler, progress, halt, folder), halt, finished
+            )
         stopped = False
     finally:
         for r in results:
@@ -262,6 +145,73 @@ def _convert_planned(
     if late:
         raise late[0]
     return sorted(results, key=lambda r: r.number)
+
+
+def collect(
+    outcomes: Iterator[tuple[int, Any]], halt: threading.Event, finished: Callable[[Any], None]
+) -> dict[int, K3LabError]:
+    """The one failure loop, whatever runs the tasks (this process, ``--jobs`` processes, Dask) and
+    whatever they do (convert a file, run a notebook): each result to ``finished``, each failure kept
+    by file; after a failure every file would share (the machine's or the network's: a full disk,
+    the Hub down past its budget) ``halt`` is set, so that no new task starts."""
+    failures: dict[int, K3LabError] = {}
+    for k, outcome in outcomes:
+        if isinstance(outcome, K3LabError):
+            failures[k] = outcome
+            if gives_up(outcome):
+                halt.set()
+            continue
+        finished(outcome)
+    return failures
+
+
+def run_notebooks(
+    model: Model,
+    spec: SourceSpec,
+    out_dir: str | Path,
+    options: RunOptions,
+    notebook: str | Path,
+    shards: list[int] | str | None,
+    scheduler: str | None,
+    workers: int,
+    run_dir: Path,
+    timeouts: tuple[float, float],
+    say: Callable[[str], None] | None = None,
+) -> list[Any]:
+    """``notebook`` once per chosen output file with papermill, as tasks of one run holding the folder
+    (the notebooks convert into it as part of it), on Dask: the cluster at ``scheduler``, or a
+    LocalCluster of ``workers`` processes. Every file's run, failed ones too; the manifest merged."""
+    from k3lab.pipeline.running.batch import NotebookRun, notebook_task, run_notebook
+    from k3lab.pipeline.running.cluster import run_on_dask
+
+    with start_run(model, spec, out_dir, options, None, shards, say) as (_, token, numbers):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        task = notebook_task(notebook, spec.meta_dir, spec.location, out_dir, run_dir, token, *timeouts)
+        cluster = None
+        if not scheduler:
+            from distributed import LocalCluster
+
+            cluster = LocalCluster(
+                n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None
+            )
+            scheduler = cluster.scheduler_address
+        results: list[NotebookRun] = []
+        bar = tqdm(
+            total=len(numbers), desc="notebooks", unit="file", disable=say is None or None, dynamic_ncols=True
+        )
+        try:
+            halt = threading.Event()
+            outcomes = run_on_dask(
+                run_notebook, task, numbers, scheduler, RunProgress(bar), halt, lambda k: 0
+            )
+            failures = collect(outcomes, halt, lambda r: (results.append(r), bar.update(1)))
+        finally:
+            bar.close()
+            if cluster is not None:
+                cluster.close()
+            OutputFolder(out_dir).records.merge()
+        results += [NotebookRun(k, "failed", 0.0, "", str(e).splitlines()[0]) for k, e in failures.items()]
+    return sorted(results, key=lambda r: r.file)
 
 
 def _found_complete(

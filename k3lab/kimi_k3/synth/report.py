@@ -39,7 +39,7 @@ def describe(result: SynthResult, max_rows: int = 12) -> str:
 
 def synth_cli(req: Any, args: Any) -> int:
     """`k3lab synth`: write the checkpoint and describe it."""
-    from k3lab.synth.generate import synthesize
+    from k3lab.kimi_k3.synth.generate import synthesize
 
     made = synthesize(
         args.preset, args.out, seed=args.seed, experts=args.experts, draw=args.draw, layout=args.layout

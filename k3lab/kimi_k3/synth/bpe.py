@@ -1,7 +1,7 @@
 """A small byte-level BPE trainer with Kimi's pre-tokenizer, for the synthetic tiktoken.model.
 
 Training is deterministic (ties broken by the pair's bytes), so the shipped vocabulary
-``data/tiny.tiktoken`` is reproducible: ``python -m k3lab.synth.bpe`` rewrites it. Ranks 0..255
+``data/tiny.tiktoken`` is reproducible: ``python -m k3lab.kimi_k3.synth.bpe`` rewrites it. Ranks 0..255
 are the single bytes in byte order; every later rank is the merge of two earlier tokens.
 """
 
@@ -70,7 +70,7 @@ def train(text: str, n_ranks: int) -> list[bytes]:
 
 
 def corpus() -> str:
-    return resources.files("k3lab.synth").joinpath("data/corpus.txt").read_text(encoding="utf-8")
+    return resources.files("k3lab.kimi_k3.synth").joinpath("data/corpus.txt").read_text(encoding="utf-8")
 
 
 def format_tiktoken(vocab: list[bytes]) -> str:
@@ -78,7 +78,7 @@ def format_tiktoken(vocab: list[bytes]) -> str:
 
 
 def shipped_tiktoken() -> str:
-    return resources.files("k3lab.synth").joinpath("data/tiny.tiktoken").read_text(encoding="ascii")
+    return resources.files("k3lab.kimi_k3.synth").joinpath("data/tiny.tiktoken").read_text(encoding="ascii")
 
 
 TINY_RANKS = 1536  # the tiny presets' 1792-token vocabulary minus 256 specials
