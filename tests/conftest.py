@@ -1,10 +1,14 @@
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from k3lab.kimi_k3.synth import synthesize
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository
 
 
 @pytest.fixture(scope="session")
@@ -63,3 +67,22 @@ def state_json(path: Path):
     head, _, body = path.read_bytes().partition(b"\n")
     assert head.startswith(b"k3lab-state/1 "), head
     return json.loads(body)
+
+
+def run_cli(env: dict[str, str] | None, *args: str, timeout: float = 300, cwd: Path | None = None):
+    """``k3lab ARGS`` as a user runs it: a process of its own (``env``: its environment, None: this
+    one's), its output captured; the one way the tests run the command line in a subprocess."""
+    return subprocess.run(
+        [sys.executable, "-m", "k3lab.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
+
+
+@pytest.fixture(name="run_cli")
+def run_cli_fixture():
+    """``run_cli`` for a test that takes it as a fixture."""
+    return run_cli

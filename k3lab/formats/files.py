@@ -7,7 +7,7 @@ over its limit, or one whose size the kernel reports as 0 but that yields more (
 refused. Any failure is one ``InputFileError`` naming the file. Nothing here knows a model.
 
 Files k3lab *creates* are opened with ``O_NOFOLLOW | O_EXCL``: never through a symlink, never over
-a file somebody else made (see ``pipeline.folder``).
+a file somebody else made (see ``pipeline.state``).
 """
 
 from __future__ import annotations

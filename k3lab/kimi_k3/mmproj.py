@@ -1,6 +1,6 @@
 """Kimi-K3's vision mmproj: the MoonViT tower and the patchmergerv2 projector as one ``clip`` GGUF.
 
-The pipeline writes it as a single file beside the split set (``pipeline.single``); this module says
+The pipeline writes it as a single file beside the split set (``pipeline.writing.single``); this module says
 what it is: ``VISION_RULES`` (rules.py), the source layout, and llama.cpp's ``clip`` keys. The keys
 follow llama.cpp's Kimi-K2.5 converter (``KimiK25Model``: projector type ``kimik25``, the
 ``vision.pos_emb_*`` keys); K3's own hyperparameters are recorded beside them as ``clip.vision.*``

@@ -2,7 +2,7 @@
 
 Looking inside a 1.42 TiB model from a laptop means reading a tensor's bytes, never its 16 GiB shard:
 a ``RangeCache`` hands out exactly the bytes asked for, from a range it holds or fetched now by
-ranged GETs (``http.fetch_range``, in pieces of ``PIECE`` bytes, each riding out outages within the
+ranged GETs (``transport.fetch_range``, in pieces of ``PIECE`` bytes, each riding out outages within the
 retry budget) and kept, so a notebook that draws a view again fetches nothing.
 
 On disk (``K3LAB_CACHE``, else ``$XDG_CACHE_HOME/k3lab``, else ``~/.cache/k3lab``)::

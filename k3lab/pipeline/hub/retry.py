@@ -11,10 +11,10 @@ import math
 import random
 import re
 import threading
-import time
 from typing import Any
 
 from k3lab.errors import K3LabError, MachineError
+from k3lab.pipeline.hub.clock import CLOCK, Clock
 from k3lab.pipeline.progress import NO_REPORT, Cancelled, TaskReport
 
 RETRY_BUDGET = 900.0  # seconds the Hub may keep failing (in a row) before a file is given up
@@ -94,12 +94,14 @@ def with_retries(
     budget: float = RETRY_BUDGET,
     report: TaskReport = NO_REPORT,
     base_delay: float = 0.5,
+    clock: Clock | None = None,
 ) -> Any:
     """fn() until it succeeds, riding out transient failures for up to ``budget`` seconds in a row;
     refusals are one line. The clock starts again when an attempt brought real progress (a window's
-    worth of bytes at the minimum rate: ``http.progress_that_counts``), never for a trickle."""
+    worth of bytes at the minimum rate: ``transport.progress_that_counts``), never for a trickle."""
     from k3lab.pipeline.hub.transport import progress_that_counts
 
+    clock = clock or CLOCK
     if not (budget >= 0 and math.isfinite(budget)):
         raise K3LabError(f"retry budget {budget!r}: give a number of seconds, 0 or more")
     counts = progress_that_counts()
@@ -115,7 +117,7 @@ def with_retries(
                 if isinstance(e, OSError) and _status(e) is None and not _is_http(e):
                     raise MachineError(f"{what}: {_reason(e)}") from None  # the machine's: a disk, a folder
                 raise HubError(f"{what}: {_reason(e)}") from None
-            now = time.monotonic()
+            now = clock.now()
             if report.moved_bytes - seen >= counts:  # it got further this time: a new run of failures
                 first_failure, attempt = None, 0
             seen = report.moved_bytes
@@ -133,10 +135,10 @@ def with_retries(
                 f"{budget - (now - first_failure):.0f} s of the budget left"
             )
             attempt += 1
-            end = time.monotonic() + delay
-            while (left := end - time.monotonic()) > 0:
+            end = clock.now() + delay
+            while (left := end - clock.now()) > 0:
                 report.check()
-                time.sleep(min(left, 0.25))
+                clock.sleep(min(left, 0.25))
 
 
 # --- huggingface_hub's own output, folded into the task's report ------------------------------------

@@ -26,7 +26,6 @@ import hashlib
 import os
 import re
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 import httpx2
 
 from k3lab.errors import K3LabError, MachineError
+from k3lab.pipeline.hub.clock import CLOCK
 from k3lab.pipeline.progress import NO_REPORT, TaskReport
 
 SPEED_ENV = "K3LAB_SPEED_LIMIT"
@@ -80,12 +80,12 @@ class _Watched(httpx2.SyncByteStream):
 
     def __iter__(self) -> Iterator[bytes]:
         total = 0
-        start, at_start = time.monotonic(), 0
+        start, at_start = CLOCK.now(), 0
         for chunk in self.inner:
             total += len(chunk)
             if self.limit is not None and total > self.limit:
                 raise WrongAnswer(f"{self.url}: the answer is longer than the {self.limit} bytes it may be")
-            now = time.monotonic()
+            now = CLOCK.now()
             if now - start >= self.window:
                 if total - at_start < self.rate * self.window:
                     raise TooSlow(

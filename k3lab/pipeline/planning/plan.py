@@ -3,7 +3,7 @@ type, shape, bytes, transform and peak memory, and the digests that say what eac
 
 A plan is made by ``planner`` (from config.json, the index, the tokenizer files and the safetensors
 headers alone), forecast by ``forecast``, shown by ``plan_table``, and saved by the output folder's
-owner (``folder``), keyed by a digest of everything it was made from; every later task loads it and
+owner (``pipeline.state``), keyed by a digest of everything it was made from; every later task loads it and
 reads at most the headers of the source files its output file reads. Each file's digest covers
 exactly what decides that file's bytes, so a changed input redoes exactly the files it affects.
 

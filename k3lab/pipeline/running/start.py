@@ -46,12 +46,10 @@ def prepare(
     was fetched). Writes nothing."""
     options = options or RunOptions()
     basename = check_basename(model.default_basename if options.basename is None else options.basename)
-    folder = OutputFolder(out_dir)
-    folder.check_state_dir()
     if source is None:
         source = open_source(spec, fresh=True)
         source.fetch_meta()
-    saved = folder.plans.load(model)
+    saved = OutputFolder(out_dir).plans.load(model)
     # a folder keeps its set's split unless the request names one; a new folder takes the default
     split = options.split or (saved.split if saved is not None else Split())
     if saved is not None and still_current(
@@ -121,17 +119,11 @@ def start_run(
         if isinstance(shards, list)
         else output_files(shards, len(plan.files))
     )
-    folder = OutputFolder(out_dir)
-    with folder.hold(run_token) as token:
-        if kvs is not None:
-            folder.plans.save(plan, kvs)
-            gone = folder.records.retire(plan)
-            if gone and say is not None:
-                say(
-                    f"the set is now {len(plan.files)} file{'s' if len(plan.files) > 1 else ''} "
-                    f"({plan.files[0].filename}{' ...' if len(plan.files) > 1 else ''}): removed the "
-                    f"{len(gone)} files of its earlier split that k3lab wrote here ({gone[0]} ...)"
-                )
-        if run_token is None:
-            folder.remove_partials()
+    with OutputFolder(out_dir).begin(plan, kvs, run_token) as (token, gone):
+        if gone and say is not None:
+            say(
+                f"the set is now {len(plan.files)} file{'s' if len(plan.files) > 1 else ''} "
+                f"({plan.files[0].filename}{' ...' if len(plan.files) > 1 else ''}): removed the "
+                f"{len(gone)} files of its earlier split that k3lab wrote here ({gone[0]} ...)"
+            )
         yield plan, token, numbers

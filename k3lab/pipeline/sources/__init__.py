@@ -1,6 +1,7 @@
-"""Where the checkpoint's bytes come from, behind one interface (``base.Source``): a local folder
-(``local``) or a Hub repo at one pinned commit (``hub``, over ``http``, riding out outages with
-``retry``, downloading into ``slots``).
+"""Where the checkpoint's bytes come from, behind one interface (``base.Source``, named by a
+``spec.SourceSpec``): a local folder (``local``) or a Hub repo at one pinned commit (``hub``: its
+downloads in ``hub_downloads``, into ``slots``; its ranged reads in ``hub_ranges``; over the client in
+``pipeline.hub``).
 
 Kinds of source are named in ``KINDS`` (kind -> the module defining ``open_source(spec)``, imported
 when first opened, so a local run never loads the Hub's code): a new kind is one module with a

@@ -14,7 +14,7 @@ prefetched), each checked against its SHA-256 before it is converted.
 - **Headers** are read with ranged GETs at the commit (a few MB for the whole model), so the plan
   needs no shard on disk.
 - **Files.** A task ``acquire``s the files its output file reads, as its tensors need them:
-  ``http.download`` fetches each by ranged GETs into a download slot k3lab owns (``slots``:
+  ``hub.transport.download`` fetches each by ranged GETs into a download slot k3lab owns (``slots``:
   ``SCRATCH/k3lab-dl-KEY/``, locked by the process using it), hashing as the bytes arrive; a cut
   download continues from its last byte (in this run or the next: the key is the file's name and
   SHA-256); other slots of dead tasks are removed. The SHA-256 is checked against the Hub's before

@@ -116,7 +116,7 @@ class Downloads:
             raise
 
     def _download(self, remote: RemoteFile, path: Path, report: TaskReport) -> str:
-        """The rest of ``remote``'s bytes into ``path`` (see ``remote_files.download``)."""
+        """The rest of ``remote``'s bytes into ``path`` (see ``hub.files.download``)."""
         url = transport.file_url(self.repo, remote.name, self.commit or self.revision, self.endpoint)
         return download(
             url, remote, path, self.token, self.where(remote.name), report, self._closing, self.budget

@@ -14,10 +14,13 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
 
 from k3lab.formats.files import PARTIAL, partial_path, remove_regular
+from k3lab.formats.gguf_stream import KV
+from k3lab.pipeline.planning.plan import Plan
 from k3lab.pipeline.state.lock import FolderLock
 from k3lab.pipeline.state.names import LOCK_NAME, SCRATCH_NAME, STATE_DIR, FolderError, plain_name
 from k3lab.pipeline.state.plans import Plans
@@ -38,7 +41,7 @@ class OutputFolder:
 
     @cached_property
     def plans(self) -> Plans:
-        return Plans(self.state, self.create)
+        return Plans(self.state, self.create, self.check_state_dir)
 
     @cached_property
     def records(self) -> Records:
@@ -86,6 +89,21 @@ class OutputFolder:
         if run_token is None:
             self.create()
         return self.lock.hold(run_token)
+
+    @contextlib.contextmanager
+    def begin(self, plan: Plan, kvs: list[KV] | None, run_token: str | None = None) -> Iterator[tuple[str, list[str]]]:
+        """The folder held for a run of ``plan``: its lock (or, with ``run_token``, the check that
+        this run holds it), the plan saved when it is new (``kvs``: file 1's metadata) and the files
+        of an earlier split it replaces retired, what a killed run left removed. Yields the run's
+        token and the names retired."""
+        with self.hold(run_token) as token:
+            gone: list[str] = []
+            if kvs is not None:
+                self.plans.save(plan, kvs)
+                gone = self.records.retire(plan)
+            if run_token is None:
+                self.remove_partials()
+            yield token, gone
 
     # --- cleaning up ------------------------------------------------------------------------------
     def remove_output(self, name: str) -> None:

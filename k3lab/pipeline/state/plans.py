@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from k3lab.errors import K3LabError
@@ -21,8 +22,10 @@ from k3lab.pipeline.state.names import KVS_NAME, PLAN_NAME
 
 
 class Plans:
-    def __init__(self, state: Path, ready: callable):
-        self.state, self._ready = state, ready  # ``ready()``: makes ``.k3lab`` (a real directory)
+    def __init__(self, state: Path, ready: Callable[[], None], exists: Callable[[], bool]):
+        # ``ready()`` makes ``.k3lab`` (a real directory); ``exists()`` says whether it is there (and
+        # is one line when it is anything but a real directory)
+        self.state, self._ready, self._exists = state, ready, exists
 
     def save(self, plan: Plan, kvs: list[KV]) -> Path:
         """The KVs first, then the plan naming their digest: whichever write an interrupt stops,
@@ -34,6 +37,8 @@ class Plans:
     def load(self, model: Model) -> Plan | None:
         """The saved plan, or None when there is none or it cannot be trusted: damaged, edited (each
         file's digest is re-derived from its tensors), or its KVs are not the ones it names."""
+        if not self._exists():
+            return None
         data = read_state(self.state / PLAN_NAME, "plan")
         if data is None:
             return None

@@ -1,3 +1,3 @@
-"""Writing and records: one output file converted and streamed to disk (``convert``, ``single``), the
-record of what it holds (``record``: one typed manifest), the proof that a file on disk is the one
-its record describes (``proof``), and the output folder's one owner (``folder``)."""
+"""Writing: one output file converted and streamed to disk, its tensors' sources acquired as they are
+needed (``convert``), and the files beside a set, the vision mmproj and the standalone tokenizer
+GGUF (``single``). What a finished file holds is recorded by ``pipeline.state``."""

@@ -5,7 +5,7 @@ acquire the source files it reads that are not here yet (``PlannedInputs``: each
 checked against the plan's; the next file prefetched), let its transform's stream read the sources
 in bounded pieces (``Reader``: mapped pages, no copy) and stream the output bytes to
 ``NAME.partial``, hashed and written on background threads, and release the files no later tensor
-reads; fsync, rename, record the hashes (``record``, written by ``folder``). Memory is bounded by
+reads; fsync, rename, record the hashes (``state.record``, written by ``state.records``). Memory is bounded by
 what the streams hold at once, which the plan forecasts per file; disk by the files one tensor reads.
 """
 

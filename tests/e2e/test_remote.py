@@ -15,8 +15,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from conftest import ROOT, run_cli
 from hub_server import HubServer
-from test_notebooks import ROOT, _result, run
+from notebook_runs import result_of, run_notebook
 
 REPO = "moonshotai/Kimi-K3"
 SET = "k3lab-test/Kimi-K3-GGUF"
@@ -45,7 +46,7 @@ def hub_env(tiny_src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 def _run(name: str, tmp: Path, **params: object) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
-    return _result(run(name, tmp, **params))
+    return result_of(run_notebook(name, tmp, **params))
 
 
 def _tensor_bytes(src: Path, names: list[str]) -> int:
@@ -136,12 +137,6 @@ def test_notebooks_03_and_04_on_the_hub_read_what_they_show(
 # --- a GGUF set on the Hub ---------------------------------------------------------------------------
 
 
-def _k3lab(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "k3lab.cli", *args], env=env, capture_output=True, text=True, timeout=300
-    )
-
-
 @pytest.fixture
 def set_hub(tiny_src: Path, tiny_out: Path, tmp_path: Path):
     """The tiny source at REPO and its converted set (with MANIFEST.json) at SET."""
@@ -156,9 +151,9 @@ def set_hub(tiny_src: Path, tiny_out: Path, tmp_path: Path):
 
 def test_verify_a_set_on_the_hub_whole_and_a_flipped_byte(tiny_out: Path, tmp_path: Path, set_hub) -> None:
     hub, env = set_hub
-    ok = _k3lab(env, "verify", SET, "--all")
+    ok = run_cli(env, "verify", SET, "--all")
     assert ok.returncode == 0 and "verify OK: 9 files, 218 tensors" in ok.stdout, ok.stdout + ok.stderr
-    full = _k3lab(env, "verify", SET, "--all", "--meta", str(tmp_path / "meta"), "--repo", REPO)
+    full = run_cli(env, "verify", SET, "--all", "--meta", str(tmp_path / "meta"), "--repo", REPO)
     assert full.returncode == 0 and "re-derived from the source" in full.stdout, full.stdout + full.stderr
     assert not list(tmp_path.rglob("*.incomplete")) and not list(tmp_path.rglob("k3lab-dl-*"))  # no download
     # one byte flipped in the repo: named, file and tensor
@@ -168,7 +163,7 @@ def test_verify_a_set_on_the_hub_whole_and_a_flipped_byte(tiny_out: Path, tmp_pa
     data = bytearray(hub.files_of(SET)[name])
     data[t["offset"] + 3] ^= 0x10
     hub._new_commit({**hub.files_of(SET), name: bytes(data)}, "flip", SET)
-    bad = _k3lab(env, "verify", SET, "--all")
+    bad = run_cli(env, "verify", SET, "--all")
     assert (
         bad.returncode == 1 and f"{name}: tensor {t['name']}: SHA-256 differs from the manifest" in bad.stdout
     ), bad.stdout
@@ -177,20 +172,20 @@ def test_verify_a_set_on_the_hub_whole_and_a_flipped_byte(tiny_out: Path, tmp_pa
 def test_sample_and_tensors_read_only_what_they_say(tiny_out: Path, set_hub) -> None:
     hub, env = set_hub
     before = len(hub.served)
-    head = _k3lab(env, "verify", SET)
+    head = run_cli(env, "verify", SET)
     assert head.returncode == 0 and "headers only" in head.stdout, head.stdout + head.stderr
     headers = {p: n for p, _, n in hub.served[before:] if p.endswith(".gguf")}
     man = json.loads((tiny_out / "MANIFEST.json").read_text())["files"]
     starts = {f["file"]: f["data_start"] for f in man}
     assert all(n <= max(4 * starts[p], 1 << 16) for p, n in headers.items())  # headers (and a probe's rest)
     before = len(hub.served)
-    glob = _k3lab(env, "verify", SET, "--tensors", "blk.3.attn_norm.weight")
+    glob = run_cli(env, "verify", SET, "--tensors", "blk.3.attn_norm.weight")
     want = next(t["nbytes"] for f in man for t in f["tensors"] if t["name"] == "blk.3.attn_norm.weight")
     assert glob.returncode == 0 and f"218 tensors, {want} bytes checked" in glob.stdout, glob.stdout
     body = [n for p, r, n in hub.served[before:] if p.endswith(".gguf") and n == want]
     assert len(body) == 1  # that tensor's bytes, once
-    seeded = _k3lab(env, "verify", SET, "--sample", "1", "--seed", "7")
-    again = _k3lab(env, "verify", SET, "--sample", "1", "--seed", "7")
+    seeded = run_cli(env, "verify", SET, "--sample", "1", "--seed", "7")
+    again = run_cli(env, "verify", SET, "--sample", "1", "--seed", "7")
     assert "seed 7" in seeded.stdout and seeded.stdout == again.stdout
 
 
@@ -231,7 +226,7 @@ def test_a_set_another_tool_wrote_is_verified_against_the_source(
         hub.add_repo("someone/Other-GGUF", folder, large=None)
         env = hub.client_env(tmp_path)
         src = ["--meta", str(tmp_path / "meta"), "--repo", REPO]
-        ok = _k3lab(env, "verify", "someone/Other-GGUF", "--all", *src)
+        ok = run_cli(env, "verify", "someone/Other-GGUF", "--all", *src)
         assert ok.returncode == 0 and "re-derived from the source" in ok.stdout, ok.stdout + ok.stderr
         r = gguf.GGUFReader(folder / names[1])
         t = next(t for t in r.tensors if t.name.endswith("ffn_down_exps.weight"))
@@ -240,7 +235,7 @@ def test_a_set_another_tool_wrote_is_verified_against_the_source(
         hub._new_commit(
             {**hub.files_of("someone/Other-GGUF"), names[1]: bytes(data)}, "flip", "someone/Other-GGUF"
         )
-        bad = _k3lab(env, "verify", "someone/Other-GGUF", "--tensors", t.name, *src)
+        bad = run_cli(env, "verify", "someone/Other-GGUF", "--tensors", t.name, *src)
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert f"{names[1]}: tensor {t.name}: re-derived from the source, SHA-256 differs" in bad.stdout
 
@@ -251,7 +246,7 @@ def test_a_set_another_tool_wrote_is_verified_against_the_source(
 def test_a_wrong_answer_from_a_set_repo_is_one_line(set_hub, mode: str, needle: str) -> None:
     hub, env = set_hub
     hub.hostile["Kimi-K3-MXFP4-00004-of-00009.gguf"] = mode
-    r = _k3lab(env, "verify", SET)
+    r = run_cli(env, "verify", SET)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and needle in lines[0] and "00004-of-00009" in lines[0], (
         r.stderr
@@ -260,7 +255,7 @@ def test_a_wrong_answer_from_a_set_repo_is_one_line(set_hub, mode: str, needle: 
 
 def test_a_moved_or_missing_revision_is_one_line(set_hub) -> None:
     hub, env = set_hub
-    r = _k3lab(env, "verify", SET, "--revision", "no-such-branch")
+    r = run_cli(env, "verify", SET, "--revision", "no-such-branch")
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "no-such-branch" in lines[0], r.stderr
 

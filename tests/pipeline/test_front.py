@@ -14,12 +14,13 @@ from pathlib import Path
 import gguf
 import pytest
 import toy_model
+from conftest import ROOT, run_cli
 from hub_server import HubServer
 
 from k3lab.cli import build_parser
 from k3lab.request import Request
 
-TESTS = Path(__file__).resolve().parent
+TESTS = ROOT / "tests"
 TARGET = "k3lab-test/Toy-GGUF"
 
 
@@ -49,12 +50,6 @@ def test_a_request_checks_its_values_as_the_cli_does(capsys: pytest.CaptureFixtu
             Request(**bad)
 
 
-def _k3lab(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "k3lab.cli", *args], env=env, capture_output=True, text=True, timeout=300
-    )
-
-
 def test_the_toy_architecture_goes_through_the_cli_with_its_own_card(tmp_path: Path) -> None:
     """plan, convert, verify and publish of a model k3lab has never heard of, named by its module: the
     toy's keys in the files, the toy's card in the repo, every command of the card that needs no
@@ -66,21 +61,21 @@ def test_the_toy_architecture_goes_through_the_cli_with_its_own_card(tmp_path: P
         env = hub.client_env(tmp_path) | {"PYTHONPATH": str(TESTS)}
         model = ["--model", "toy_model"]
         model += ["--split-max-tensors", "1"]  # three files from the toy's one
-        plan = _k3lab(env, "plan", *model, "--meta", str(src), "--json")
+        plan = run_cli(env, "plan", *model, "--meta", str(src), "--json")
         assert plan.returncode == 0, plan.stderr
         assert [f["filename"] for f in json.loads(plan.stdout)["files"]] == [
             f"Toy-MXFP4-0000{k}-of-00003.gguf" for k in (1, 2, 3)
         ]
-        conv = _k3lab(env, "convert", *model, "--meta", str(src), "--out-dir", str(out), "--quiet")
+        conv = run_cli(env, "convert", *model, "--meta", str(src), "--out-dir", str(out), "--quiet")
         assert conv.returncode == 0 and "3 written" in conv.stdout, conv.stderr
         assert (
             gguf.GGUFReader(out / "Toy-MXFP4-00001-of-00003.gguf").fields["general.architecture"].contents()
             == "toy"
         )
         model = model[:2]
-        ver = _k3lab(env, "verify", *model, str(out), "--src", str(src), "--quiet")
+        ver = run_cli(env, "verify", *model, str(out), "--src", str(src), "--quiet")
         assert ver.returncode == 0 and "verify OK" in ver.stdout, ver.stdout + ver.stderr
-        pub = _k3lab(env, "publish", *model, str(out), TARGET)
+        pub = run_cli(env, "publish", *model, str(out), TARGET)
         assert pub.returncode == 0, pub.stderr
         files = hub.files_of(TARGET)
         card = files["README.md"].decode()
@@ -106,12 +101,12 @@ def test_the_card_of_publish_is_the_card_of_convert_push_to(tiny_src: Path, tmp_
     with HubServer(tiny_src) as hub:
         env = hub.client_env(tmp_path)
         base = ["--repo", "moonshotai/Kimi-K3", "--meta", str(tmp_path / "meta"), "--quiet"]
-        pushed = _k3lab(env, "convert", *base, "--out-dir", str(tmp_path / "a"), "--push-to", "k3lab-test/A")
+        pushed = run_cli(env, "convert", *base, "--out-dir", str(tmp_path / "a"), "--push-to", "k3lab-test/A")
         assert pushed.returncode == 0, pushed.stderr
-        local = _k3lab(env, "convert", *base, "--out-dir", str(tmp_path / "b"))
+        local = run_cli(env, "convert", *base, "--out-dir", str(tmp_path / "b"))
         assert local.returncode == 0, local.stderr
         # the files convert --push-to publishes beside the set, made here by their own commands
-        tok = _k3lab(
+        tok = run_cli(
             env,
             "tokenizer",
             "--meta",
@@ -119,9 +114,9 @@ def test_the_card_of_publish_is_the_card_of_convert_push_to(tiny_src: Path, tmp_
             "--out",
             str(tmp_path / "b" / "Kimi-K3-tokenizer.gguf"),
         )
-        vis = _k3lab(env, "vision", *base[:4], "--out", str(tmp_path / "b" / "mmproj-Kimi-K3-BF16.gguf"))
+        vis = run_cli(env, "vision", *base[:4], "--out", str(tmp_path / "b" / "mmproj-Kimi-K3-BF16.gguf"))
         assert tok.returncode == 0 and vis.returncode == 0, tok.stderr + vis.stderr
-        published = _k3lab(env, "publish", str(tmp_path / "b"), "k3lab-test/B")
+        published = run_cli(env, "publish", str(tmp_path / "b"), "k3lab-test/B")
         assert published.returncode == 0, published.stderr
         a = hub.files_of("k3lab-test/A")["README.md"].decode()
         b = hub.files_of("k3lab-test/B")["README.md"].decode()

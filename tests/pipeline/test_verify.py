@@ -8,13 +8,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import convert
+from conftest import (
+    ROOT,  # noqa: E402  (the repository)
+    convert,
+)
 
 from k3lab.cli import main
 from k3lab.kimi_k3.model import MODEL
 from k3lab.pipeline.publishing.tensor_map import tensor_map_markdown
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _verify(out: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, list[str]]:

@@ -7,28 +7,8 @@ import os
 import re
 from pathlib import Path
 
-import papermill
-
-ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-
-
-def _result(nb_path: Path) -> dict:
-    """What the notebook computed: written to ``result_file`` (never printed on the page), and no
-    cell errored or printed FAILED."""
-    nb = json.loads(nb_path.read_text())
-    for cell in nb["cells"]:
-        for out in cell.get("outputs", []):
-            assert out.get("output_type") != "error", out
-            assert "FAILED" not in "".join(out.get("text", "")) and "K3LAB_RESULT" not in "".join(
-                out.get("text", "")
-            )
-    return json.loads(nb_path.with_suffix(".json").read_text())
-
-
-def _images(nb_path: Path) -> int:
-    nb = json.loads(nb_path.read_text())
-    return sum("image/png" in o.get("data", {}) for c in nb["cells"] for o in c.get("outputs", []))
+from conftest import ROOT
+from notebook_runs import NOTEBOOKS, images_of, result_of, run_notebook
 
 
 def test_notebooks_are_stored_clean_and_parameterised() -> None:
@@ -78,44 +58,34 @@ def test_notebooks_are_stored_as_jupyter_saves_them() -> None:
         assert clean_notebook(nbformat.reads(raw, as_version=4)) == nb
 
 
-def run(name: str, tmp_path: Path, **params) -> Path:
-    out = tmp_path / name
-    papermill.execute_notebook(
-        str(ROOT / "notebooks" / name),
-        str(out),
-        parameters={"result_file": str(out.with_suffix(".json")), **params},
-        kernel_name="python3",
-        progress_bar=False,
-        cwd=str(tmp_path),
-        execution_timeout=300,  # a lost kernel message is a failure here, never a stuck CI
-    )
-    return out
-
-
 def test_01_tensor_layouts(tiny_src: Path, tmp_path: Path) -> None:
-    r = _result(
-        run("01-tensor-layouts.ipynb", tmp_path, src=str(tiny_src), out_dir=str(tmp_path / "o"), shard=2)
+    r = result_of(
+        run_notebook(
+            "01-tensor-layouts.ipynb", tmp_path, src=str(tiny_src), out_dir=str(tmp_path / "o"), shard=2
+        )
     )
     assert r["file"] == "model-00002-of-000011.safetensors" and r["tensors"] == 76 and r["unmapped"] == []
     assert r["by_transform"]["mxfp4_stack"] == 48 and r["by_transform"]["neg_exp"] == 1
-    r = _result(
-        run("01-tensor-layouts.ipynb", tmp_path, src=str(tiny_src), out_dir=str(tmp_path / "o"), shard=4)
+    r = result_of(
+        run_notebook(
+            "01-tensor-layouts.ipynb", tmp_path, src=str(tiny_src), out_dir=str(tmp_path / "o"), shard=4
+        )
     )
     assert r["kv_b"] == ["blk.3.attn_k_b.weight + blk.3.attn_v_b.weight"]  # one source, both targets shown
 
 
 def test_02_mxfp4_scales(tiny_src: Path, tmp_path: Path) -> None:
-    out = run("02-mxfp4-scales.ipynb", tmp_path, src=str(tiny_src))
-    r = _result(out)
-    assert _images(out) == 1  # the histograms; the per-expert plots live in the widgets' output
+    out = run_notebook("02-mxfp4-scales.ipynb", tmp_path, src=str(tiny_src))
+    r = result_of(out)
+    assert images_of(out) == 1  # the histograms; the per-expert plots live in the widgets' output
     assert r["layers"] == [1, 2, 5] and len(r["summary"]) == 3 and r["heatmap"] == [8, 2]  # w2 of each layer
     assert sum(r["code_counts"]) == 64 * 96 and all(c > 0 for c in r["code_counts"][1:8])
     assert all(-8 < row["mean exponent"] < 0 for row in r["summary"])
 
 
 def test_03_convert_shard(tiny_src: Path, tiny_one: Path, tmp_path: Path) -> None:
-    r = _result(
-        run(
+    r = result_of(
+        run_notebook(
             "03-convert-shard.ipynb",
             tmp_path,
             meta=str(tiny_src),
@@ -130,14 +100,16 @@ def test_03_convert_shard(tiny_src: Path, tiny_one: Path, tmp_path: Path) -> Non
 
 
 def test_04_vision_and_tokenizer(tiny_src: Path, tmp_path: Path) -> None:
-    out = run("04-vision-and-tokenizer.ipynb", tmp_path, src=str(tiny_src), text="the quick brown fox")
-    r = _result(out)
+    out = run_notebook(
+        "04-vision-and-tokenizer.ipynb", tmp_path, src=str(tiny_src), text="the quick brown fox"
+    )
+    r = result_of(out)
     assert r["blocks"] == 2 and r["parameters"] == 2 * (64 * 2 + 192 * 64 + 64 * 64 + 2 * 256 * 64)
-    assert r["ids"] and r["bytes_per_token"] > 2 and _images(out) == 1
+    assert r["ids"] and r["bytes_per_token"] > 2 and images_of(out) == 1
 
 
 def test_05_verify_a_run(tiny_out: Path, tmp_path: Path) -> None:
-    r = _result(run("05-verify-a-run.ipynb", tmp_path, out_dir=str(tiny_out)))
+    r = result_of(run_notebook("05-verify-a-run.ipynb", tmp_path, out_dir=str(tiny_out)))
     assert r == {"files": 9, "tensors": 218, "ok": True, "problems": []}
 
 
@@ -148,9 +120,9 @@ def test_notebook_defaults_run_anywhere(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("K3LAB_HOME", str(home))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    r = _result(run("05-verify-a-run.ipynb", elsewhere))  # converts the whole demo set first
+    r = result_of(run_notebook("05-verify-a-run.ipynb", elsewhere))  # converts the whole demo set first
     assert r["ok"] and r["files"] == 1
-    r = _result(run("03-convert-shard.ipynb", elsewhere))  # the same set, not a second checkpoint
+    r = result_of(run_notebook("03-convert-shard.ipynb", elsewhere))  # the same set, not a second checkpoint
     assert r["verified"] and r["skipped"] and (home / "k3-demo" / "out" / r["file"]).is_file()
     assert not (elsewhere / "k3-demo").exists()
 

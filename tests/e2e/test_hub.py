@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from conftest import PER_LAYER
+from conftest import PER_LAYER, run_cli
 from dask_helpers import dask_cluster
 from hub_server import HubServer
 
@@ -176,13 +176,6 @@ def test_hub_streaming_with_jobs_gives_the_local_bytes(
     assert not list((tmp_path / "scratch").rglob("*.safetensors*"))
 
 
-def _k3lab(hub: HubServer, tmp: Path, *args: str) -> subprocess.CompletedProcess:
-    env = hub.client_env(tmp)
-    return subprocess.run(
-        [sys.executable, "-m", "k3lab.cli", *args], env=env, capture_output=True, text=True, timeout=600
-    )
-
-
 def test_every_command_reads_the_hub_through_the_one_source(
     tiny_src: Path, tiny_out: Path, tmp_path: Path
 ) -> None:
@@ -194,12 +187,18 @@ def test_every_command_reads_the_hub_through_the_one_source(
     shutil.copytree(tiny_out, out)
     meta = ["--meta", str(tmp_path / "meta")]
     with HubServer(tiny_src) as hub:
-        ok = _k3lab(hub, tmp_path, "verify", str(out), "--repo", REPO, *meta, "--quiet")
+        ok = run_cli(hub.client_env(tmp_path), "verify", str(out), "--repo", REPO, *meta, "--quiet")
         assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
         assert "re-derived from the source" in ok.stdout
         assert len(hub.downloads(fresh=True)) >= 9  # every text shard came down
-        vision = _k3lab(
-            hub, tmp_path, "vision", "--repo", REPO, *meta, "--out", str(tmp_path / "v" / "mmproj.gguf")
+        vision = run_cli(
+            hub.client_env(tmp_path),
+            "vision",
+            "--repo",
+            REPO,
+            *meta,
+            "--out",
+            str(tmp_path / "v" / "mmproj.gguf"),
         )
         assert vision.returncode == 0, vision.stderr[-2000:]
         assert not list((tmp_path / "v" / ".k3lab" / "scratch").glob("*.safetensors"))
@@ -216,9 +215,8 @@ def test_every_command_reads_the_hub_through_the_one_source(
         raw = bytearray(hub.file(index["weight_map"][name]))
         raw[-3] ^= 0xFF  # the last tensor's last bytes
         hub.commit({index["weight_map"][name]: bytes(raw)})
-        bad = _k3lab(
-            hub,
-            tmp_path / "b",
+        bad = run_cli(
+            hub.client_env(tmp_path / "b"),
             "verify",
             str(out),
             "--repo",
@@ -243,9 +241,8 @@ def test_check_logits_reads_the_hub(tiny_src: Path, tiny_out: Path, tmp_path: Pa
         pytest.skip("SKIPPED LOUDLY: llama-cpp-python is not installed")
     first = sorted(tiny_out.glob("*-00001-of-*.gguf"))[0]
     with HubServer(tiny_src) as hub:
-        r = _k3lab(
-            hub,
-            tmp_path,
+        r = run_cli(
+            hub.client_env(tmp_path),
             "check-logits",
             "--repo",
             REPO,

@@ -10,37 +10,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from checkpoint_edits import read_tensors, write_tensors
 
 from k3lab.cli import main
-from k3lab.formats.safetensors import build_header
 
 LAYER2 = "model-00003-of-000011.safetensors"  # holds layer 2
 EXP = "language_model.model.layers.2.block_sparse_moe.experts."
 
 
-def _tensors(path: Path) -> list[list]:
-    raw = path.read_bytes()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8 : 8 + n])
-    header.pop("__metadata__", None)
-    out = []
-    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-        a, b = info["data_offsets"]
-        out.append([name, info["dtype"], tuple(info["shape"]), raw[8 + n + a : 8 + n + b]])
-    return out
-
-
-def _write(path: Path, tensors: list[list]) -> None:
-    path.write_bytes(build_header([(n, d, s) for n, d, s, _ in tensors]) + b"".join(t[3] for t in tensors))
-
-
 def _retype(name: str, dtype: str, shape: tuple[int, ...] | None = None) -> Callable[[Path], None]:
     def edit(src: Path) -> None:
-        ts = _tensors(src / LAYER2)
+        ts = read_tensors(src / LAYER2)
         for t in ts:
             if t[0] == name:
                 t[1], t[2] = dtype, shape or t[2]
-        _write(src / LAYER2, ts)
+        write_tensors(src / LAYER2, ts)
 
     return edit
 
@@ -64,8 +48,8 @@ def _offsets_past_end(src: Path) -> None:
 
 
 def _missing_expert(src: Path) -> None:
-    ts = [t for t in _tensors(src / LAYER2) if not t[0].startswith(EXP + "5.w2.")]
-    _write(src / LAYER2, ts)
+    ts = [t for t in read_tensors(src / LAYER2) if not t[0].startswith(EXP + "5.w2.")]
+    write_tensors(src / LAYER2, ts)
     index = json.loads((src / "model.safetensors.index.json").read_text())
     index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.startswith(EXP + "5.w2.")}
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -82,9 +66,9 @@ def _config_lacks_key(src: Path) -> None:
 
 
 def _unused_tensor(src: Path) -> None:
-    ts = _tensors(src / LAYER2)
+    ts = read_tensors(src / LAYER2)
     ts.append(["language_model.model.layers.2.self_attn.mystery.weight", "BF16", (4,), b"\0" * 8])
-    _write(src / LAYER2, ts)
+    write_tensors(src / LAYER2, ts)
     index = json.loads((src / "model.safetensors.index.json").read_text())
     index["weight_map"]["language_model.model.layers.2.self_attn.mystery.weight"] = LAYER2
     (src / "model.safetensors.index.json").write_text(json.dumps(index))

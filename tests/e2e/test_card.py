@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 from hub_server import HubServer
 
 SOURCE = "moonshotai/Kimi-K3"
@@ -40,12 +41,6 @@ def _env(hub: HubServer, tmp: Path) -> dict[str, str]:
     env = hub.client_env(tmp, TOKEN)
     env["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # `hf`, `k3lab` as installed
     return env
-
-
-def _k3lab(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "k3lab.cli", *args], env=env, capture_output=True, text=True, timeout=300
-    )
 
 
 def _blocks(card: str, lang: str) -> list[str]:
@@ -116,7 +111,7 @@ def _check_card_as_a_user(
 def test_a_card_of_convert_push_to_works_verbatim(tiny_src: Path, tmp_path: Path) -> None:
     with HubServer(tiny_src, token=TOKEN) as hub:
         env = _env(hub, tmp_path)
-        r = _k3lab(
+        r = run_cli(
             env,
             "convert",
             "--repo",
@@ -140,18 +135,18 @@ def test_a_card_of_publish_works_verbatim(tiny_src: Path, tiny_out: Path, tmp_pa
     with HubServer(tiny_src, token=TOKEN) as hub:
         env = _env(hub, tmp_path)
         assert (
-            _k3lab(
+            run_cli(
                 env, "tokenizer", "--meta", str(tiny_src), "--out", str(out / "Kimi-K3-tokenizer.gguf")
             ).returncode
             == 0
         )
         assert (
-            _k3lab(
+            run_cli(
                 env, "vision", "--meta", str(tiny_src), "--out", str(out / "mmproj-Kimi-K3-BF16.gguf")
             ).returncode
             == 0
         )
-        r = _k3lab(env, "publish", str(out), "k3lab-test/Published")
+        r = run_cli(env, "publish", str(out), "k3lab-test/Published")
         assert r.returncode == 0, r.stderr
         card = hub.files_of("k3lab-test/Published")["README.md"].decode()
         assert "a local copy" in card and "--src SOURCE" in card  # the conversion that made the set
@@ -199,7 +194,7 @@ def test_private_and_branch_are_what_the_hub_enforces(tiny_src: Path, tmp_path: 
             str(tmp_path / "out"),
             "--quiet",
         ]
-        r = _k3lab(
+        r = run_cli(
             env,
             "convert",
             *args,

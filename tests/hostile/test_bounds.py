@@ -10,12 +10,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import PER_LAYER
+from conftest import PER_LAYER, run_cli
 from hub_server import HubServer
 
 from k3lab.cli import main
@@ -29,12 +28,6 @@ INDEX = "model.safetensors.index.json"
 def _lines(capsys: pytest.CaptureFixture[str]) -> list[str]:
     captured = capsys.readouterr()
     return (captured.err + captured.out).strip().splitlines()
-
-
-def _k3lab(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "k3lab.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
-    )
 
 
 # --- 1. numbers are bounded before they are used ------------------------------------------------------
@@ -151,7 +144,7 @@ def test_a_zero_retry_budget_means_zero(tiny_src: Path, tmp_path: Path) -> None:
         hub.outage(3600)
         env = hub.client_env(tmp_path)
         t0 = time.monotonic()
-        r = _k3lab(env, "plan", "--repo", REPO, "--meta", str(tmp_path / "meta"), "--retry-budget", "0")
+        r = run_cli(env, "plan", "--repo", REPO, "--meta", str(tmp_path / "meta"), "--retry-budget", "0")
     assert r.returncode == 1 and "retry budget 0 s" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and time.monotonic() - t0 < 30
 
@@ -180,7 +173,7 @@ def test_a_wrong_answer_to_a_ranged_read_is_one_line_and_bounded(
     with HubServer(tiny_src) as hub:
         hub.hostile[shard] = mode
         t0 = time.monotonic()
-        r = _k3lab(hub.client_env(tmp_path), "plan", "--repo", REPO, "--meta", str(tmp_path / "meta"))
+        r = run_cli(hub.client_env(tmp_path), "plan", "--repo", REPO, "--meta", str(tmp_path / "meta"))
         served = hub.served_bytes(shard)
         tries = sum(1 for p, *_ in hub.transfers if p == shard)
     lines = r.stderr.strip().splitlines()
@@ -197,7 +190,7 @@ def test_a_trickling_server_ends_the_run_within_the_budget(tiny_src: Path, tmp_p
     with HubServer(tiny_src) as hub:
         env = hub.client_env(tmp_path) | {"K3LAB_SPEED_LIMIT": "1000/2"}
         assert (
-            _k3lab(
+            run_cli(
                 env,
                 "plan",
                 "--repo",
@@ -212,7 +205,7 @@ def test_a_trickling_server_ends_the_run_within_the_budget(tiny_src: Path, tmp_p
         )
         hub.hostile[shard] = "trickle"
         t0 = time.monotonic()
-        r = _k3lab(
+        r = run_cli(
             env,
             "convert",
             "--repo",
@@ -243,7 +236,7 @@ def test_a_full_scratch_disk_is_one_line_exit_1(tiny_src: Path, tmp_path: Path) 
         pytest.skip(f"SKIPPED LOUDLY: cannot mount a tmpfs here ({mounted.stderr.decode().strip()})")
     try:
         with HubServer(tiny_src) as hub:
-            r = _k3lab(
+            r = run_cli(
                 hub.client_env(tmp_path),
                 "convert",
                 "--repo",
@@ -282,21 +275,21 @@ def test_publishing_keeps_a_readme_the_set_did_not_make(
         env = hub.client_env(tmp_path)
         hub.repos[TARGET] = ({}, {})
         hub._new_commit({"README.md": theirs}, "the user's card", TARGET)
-        first = _k3lab(env, "publish", str(out), TARGET)
+        first = run_cli(env, "publish", str(out), TARGET)
         assert first.returncode == 0, first.stderr
         assert "README.md is the repo's own" in first.stderr and "--force replaces it" in first.stderr
         files = hub.files_of(TARGET)
         assert files["README.md"] == theirs and "TENSOR_MAP.md" in files
         # --force replaces it; from then on the card is k3lab's, and a rerun may replace its own
-        forced = _k3lab(env, "publish", str(out), TARGET, "--force")
+        forced = run_cli(env, "publish", str(out), TARGET, "--force")
         assert forced.returncode == 0, forced.stderr
         card = hub.files_of(TARGET)["README.md"]
         assert card != theirs and card.startswith(b"---\n")
-        again = _k3lab(env, "publish", str(out), TARGET)
+        again = run_cli(env, "publish", str(out), TARGET)
         assert again.returncode == 0 and "README.md" not in again.stderr, again.stderr
         # a card the user edited since is theirs again
         hub._new_commit({**hub.files_of(TARGET), "README.md": card + b"\nEdited.\n"}, "edit", TARGET)
-        kept = _k3lab(env, "publish", str(out), TARGET)
+        kept = run_cli(env, "publish", str(out), TARGET)
         assert kept.returncode == 0 and "README.md is the repo's own" in kept.stderr
         assert hub.files_of(TARGET)["README.md"].endswith(b"\nEdited.\n")
 
@@ -309,7 +302,7 @@ def test_a_target_manifest_nested_absurdly_deep_is_one_line(
     with HubServer(tiny_src) as hub:
         hub.repos[TARGET] = ({}, {})
         hub._new_commit({"MANIFEST.json": b"[" * 200_000 + b"]" * 200_000}, "deep", TARGET)
-        r = _k3lab(hub.client_env(tmp_path), "publish", str(out), TARGET)
+        r = run_cli(hub.client_env(tmp_path), "publish", str(out), TARGET)
         assert not hub.uploads
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "nested 200000 levels deep" in lines[0], lines

@@ -11,11 +11,13 @@ import time
 from pathlib import Path
 
 import psutil
-from conftest import PER_LAYER
+from conftest import (
+    PER_LAYER,
+    ROOT,  # noqa: E402  (the repository)
+)
 
 from k3lab.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = str(ROOT / "notebooks" / "03-convert-shard.ipynb")
 
 

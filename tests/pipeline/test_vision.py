@@ -10,9 +10,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from checkpoint_edits import read_tensors, write_tensors
 from conftest import state_json
-from test_bad_input import _tensors, _write
-from test_convert import Source
+from judges import Source
 
 from k3lab.cli import main
 from k3lab.formats.numerics import f32_to_bf16_bits
@@ -131,12 +131,12 @@ def test_biases_that_are_present_are_converted(tiny_src: Path, tmp_path: Path) -
     src = tmp_path / "src"
     shutil.copytree(tiny_src, src)
     shard = src / "model-00011-of-000011.safetensors"
-    ts = _tensors(shard)
+    ts = read_tensors(shard)
     extra = {"vision_tower.encoder.blocks.1.wqkv.bias": 192, "vision_tower.encoder.blocks.0.wo.bias": 64}
     rng = np.random.default_rng(0)
     for name, n in extra.items():
         ts.append([name, "BF16", (n,), f32_to_bf16_bits(rng.standard_normal(n).astype(np.float32)).tobytes()])
-    _write(shard, ts)
+    write_tensors(shard, ts)
     index = json.loads((src / "model.safetensors.index.json").read_text())
     index["weight_map"].update({n: shard.name for n in extra})
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -152,9 +152,9 @@ def test_unknown_vision_tensor_is_an_error(
     src = tmp_path / "src"
     shutil.copytree(tiny_src, src)
     shard = src / "model-00010-of-000011.safetensors"
-    ts = _tensors(shard)
+    ts = read_tensors(shard)
     ts.append(["mm_projector.mystery.weight", "BF16", (4,), b"\0" * 8])
-    _write(shard, ts)
+    write_tensors(shard, ts)
     index = json.loads((src / "model.safetensors.index.json").read_text())
     index["weight_map"]["mm_projector.mystery.weight"] = shard.name
     (src / "model.safetensors.index.json").write_text(json.dumps(index))

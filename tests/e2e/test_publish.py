@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import PER_LAYER
+from conftest import PER_LAYER, run_cli
 from dask_helpers import dask_cluster
 from hub_server import HubServer, git_blob_id
 from llama_support import needs_llama
@@ -34,16 +34,6 @@ def private_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
 
 def _env(hub: HubServer, tmp: Path) -> dict[str, str]:
     return hub.client_env(tmp, TOKEN)
-
-
-def _k3lab(hub: HubServer, tmp: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "k3lab.cli", *args],
-        env=_env(hub, tmp),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def _convert_args(tmp: Path, *extra: str) -> list[str]:
@@ -84,8 +74,9 @@ def test_workers_that_share_nothing_publish_the_set(
     address, worker_dirs = private_cluster
     with HubServer(tiny_src, token=TOKEN) as hub:
         hub.upload_faults = True
-        r = _k3lab(
-            hub, tmp_path, *_convert_args(tmp_path, "--push-to", TARGET, "--scheduler", address, "--quiet")
+        r = run_cli(
+            _env(hub, tmp_path),
+            *_convert_args(tmp_path, "--push-to", TARGET, "--scheduler", address, "--quiet"),
         )
         assert r.returncode == 0, r.stderr[-3000:]
         assert "9 written" in r.stdout and "written by 2 processes" in r.stdout, r.stdout
@@ -127,8 +118,9 @@ def test_workers_that_share_nothing_publish_the_set(
 
         # a second run uploads nothing and commits nothing
         puts, commits = len(hub.uploads), len(hub.commit_log)
-        again = _k3lab(
-            hub, tmp_path, *_convert_args(tmp_path, "--push-to", TARGET, "--scheduler", address, "--quiet")
+        again = run_cli(
+            _env(hub, tmp_path),
+            *_convert_args(tmp_path, "--push-to", TARGET, "--scheduler", address, "--quiet"),
         )
         assert again.returncode == 0, again.stderr[-3000:]
         assert "0 written, 9 already complete" in again.stdout
@@ -149,7 +141,7 @@ def test_llama_cpp_loads_the_set_downloaded_from_the_repo(
     out = tmp_path / "local"
     shutil.copytree(tiny_out, out)
     with HubServer(tiny_src, token=TOKEN) as hub:
-        assert _k3lab(hub, tmp_path, "publish", str(out), TARGET).returncode == 0
+        assert run_cli(_env(hub, tmp_path), "publish", str(out), TARGET).returncode == 0
         snap = _snapshot(hub, tmp_path, tmp_path / "snap")
     from llama_cpp import Llama
 
@@ -188,7 +180,7 @@ def test_a_killed_publishing_run_uploads_only_the_rest(
         assert 3 <= len(committed) < 9
         hub.throttle = None
         before = len(hub.commit_log)
-        again = _k3lab(hub, tmp_path, *_convert_args(tmp_path, "--push-to", TARGET, "--quiet"))
+        again = run_cli(_env(hub, tmp_path), *_convert_args(tmp_path, "--push-to", TARGET, "--quiet"))
         assert again.returncode == 0, again.stderr[-2000:]
         # committed files are kept; a file the killed run had finished but not committed is kept too
         # (its local copy and record prove it), and uploaded now, without converting it again
@@ -221,7 +213,7 @@ def test_publish_pushes_a_local_set_once_and_refuses_another(
     assert main(["vision", "--meta", str(tiny_src), "--out", str(out / "mmproj-Kimi-K3-BF16.gguf")]) == 0
     assert main(["tokenizer", "--meta", str(tiny_src), "--out", str(out / "Kimi-K3-tokenizer.gguf")]) == 0
     with HubServer(tiny_src, token=TOKEN) as hub:
-        r = _k3lab(hub, tmp_path, "publish", str(out), TARGET)
+        r = run_cli(_env(hub, tmp_path), "publish", str(out), TARGET)
         assert r.returncode == 0, r.stderr[-2000:]
         assert r.stdout.startswith("11 uploaded, 0 already in "), r.stdout
         files = hub.files_of(TARGET)
@@ -231,7 +223,7 @@ def test_publish_pushes_a_local_set_once_and_refuses_another(
         for name, data in _repo_ggufs(hub).items():
             assert data == (out / name).read_bytes(), name
         puts, commits = len(hub.uploads), len(hub.commit_log)
-        r = _k3lab(hub, tmp_path, "publish", str(out), TARGET)
+        r = run_cli(_env(hub, tmp_path), "publish", str(out), TARGET)
         assert (
             r.returncode == 0
             and r.stdout.startswith("0 uploaded, 11 already in ")
@@ -243,12 +235,12 @@ def test_publish_pushes_a_local_set_once_and_refuses_another(
         from conftest import convert
 
         assert convert(tiny_src, other, "--name", "Other") == 0
-        r = _k3lab(hub, tmp_path, "publish", str(other), TARGET)
+        r = run_cli(_env(hub, tmp_path), "publish", str(other), TARGET)
         assert (
             r.returncode == 2 and "holds another set" in r.stderr and len(r.stderr.strip().splitlines()) == 1
         )
         assert (len(hub.uploads), len(hub.commit_log)) == (puts, commits)
-        r = _k3lab(hub, tmp_path, "publish", str(other), TARGET, "--force")
+        r = run_cli(_env(hub, tmp_path), "publish", str(other), TARGET, "--force")
         assert r.returncode == 0, r.stderr
         assert sorted(n for n in _repo_ggufs(hub) if "-of-" in n) == sorted(
             p.name for p in other.glob("*.gguf")
@@ -267,8 +259,8 @@ def test_a_moved_source_replaces_exactly_its_file_in_the_repo(
     to_branch = ("--push-branch", "v1", "--keep-local", "--text-only")
     with HubServer(tiny_src, token=TOKEN) as hub:
         assert (
-            _k3lab(
-                hub, tmp_path, *_convert_args(tmp_path, "--push-to", TARGET, "--quiet", *to_branch)
+            run_cli(
+                _env(hub, tmp_path), *_convert_args(tmp_path, "--push-to", TARGET, "--quiet", *to_branch)
             ).returncode
             == 0
         )
@@ -279,7 +271,7 @@ def test_a_moved_source_replaces_exactly_its_file_in_the_repo(
         raw[-3] ^= 0xFF
         hub.commit({shard: bytes(raw)}, "change a shard")
         puts, commits = len(hub.uploads), len(hub.commit_log)
-        r = _k3lab(hub, tmp_path, *_convert_args(tmp_path, "--push-to", TARGET, "--quiet", *to_branch))
+        r = run_cli(_env(hub, tmp_path), *_convert_args(tmp_path, "--push-to", TARGET, "--quiet", *to_branch))
         assert r.returncode == 0, r.stderr[-2000:]
         assert "1 written, 8 already complete" in r.stdout, r.stdout
         after = _repo_ggufs(hub, branch="v1")
@@ -302,7 +294,7 @@ def test_a_repo_whose_manifest_is_not_k3labs_is_one_line(
         hub._new_commit(
             {"MANIFEST.json": b'{"files": [{"format": "k3lab-manifest/2", "file": "../x"}]}'}, "x", TARGET
         )
-        r = _k3lab(hub, tmp_path, "publish", str(out), TARGET)
+        r = run_cli(_env(hub, tmp_path), "publish", str(out), TARGET)
         assert r.returncode == 2, r.stderr
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and "MANIFEST.json: not a k3lab manifest" in lines[0], lines

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.browser
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import ROOT  # noqa: E402  (the repository)
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
 SHOTS = Path(tempfile.mkdtemp(prefix="k3lab-screenshots-"))

@@ -15,11 +15,11 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from checkpoint_edits import KILL_AT, read_tensors, write_tensors
 from conftest import PER_LAYER, convert, state_json
 from hub_server import HubServer
+from judges import expected_tensor
 from llama_support import needs_llama
-from test_bad_input import _tensors, _write
-from test_convert import _expected
 
 from k3lab.cli import main
 from k3lab.kimi_k3.synth import synthesize
@@ -55,7 +55,7 @@ def test_synth_writes_the_three_layouts_as_transformers_and_moonshot_do(sources:
         if ".layers." in name:
             homes.setdefault(name.split(".layers.")[1].split(".")[0], set()).add(file)
     assert max(len(f) for f in homes.values()) >= 2  # a layer spread over files, as a re-save has it
-    entries = _tensors(sources["by-size:700000"] / "model-00002-of-00008.safetensors")
+    entries = read_tensors(sources["by-size:700000"] / "model-00002-of-00008.safetensors")
     assert [e[0] for e in entries] != sorted(e[0] for e in entries) or len({e[1] for e in entries}) > 1
 
 
@@ -207,9 +207,9 @@ def _one_line_and_nothing_written(src: Path, tmp_path: Path, capsys, *needles: s
 def test_a_tensor_of_no_layer_is_one_line(sources: dict[str, Path], tmp_path: Path, capsys) -> None:
     src = tmp_path / "src"
     shutil.copytree(sources["one-file"], src)
-    ts = _tensors(src / "model.safetensors")
+    ts = read_tensors(src / "model.safetensors")
     ts.append(["language_model.model.mystery.weight", "BF16", (4,), b"\0" * 8])
-    _write(src / "model.safetensors", ts)
+    write_tensors(src / "model.safetensors", ts)
     _one_line_and_nothing_written(
         src, tmp_path, capsys, "model.safetensors", "mystery.weight", "not used by any rule"
     )
@@ -219,8 +219,8 @@ def test_two_files_holding_one_tensor_is_one_line(sources: dict[str, Path], tmp_
     src = tmp_path / "src"
     shutil.copytree(sources["by-size:700000"], src)
     a, b = "model-00002-of-00008.safetensors", "model-00003-of-00008.safetensors"
-    extra = _tensors(src / a)[0]
-    _write(src / b, [*_tensors(src / b), extra])
+    extra = read_tensors(src / a)[0]
+    write_tensors(src / b, [*read_tensors(src / b), extra])
     _one_line_and_nothing_written(src, tmp_path, capsys, b, extra[0], "the index does not list it here")
 
 
@@ -229,12 +229,12 @@ def test_a_tensor_in_another_dtype_than_the_config_is_one_line(
 ) -> None:
     src = tmp_path / "src"
     shutil.copytree(sources["one-file"], src)
-    ts = _tensors(src / "model.safetensors")
+    ts = read_tensors(src / "model.safetensors")
     name = "language_model.model.layers.3.self_attn.q_a_proj.weight"
     for t in ts:
         if t[0] == name:
             t[1] = "F16"  # the same bytes, read as another float type than config.json declares
-    _write(src / "model.safetensors", ts)
+    write_tensors(src / "model.safetensors", ts)
     _one_line_and_nothing_written(src, tmp_path, capsys, "model.safetensors", name, "F16", "expected BF16")
 
 
@@ -308,7 +308,7 @@ def test_moonshots_own_checkpoints_convert_in_every_layout(
     cfg = json.loads((src / "config.json").read_text())
     judge, seen = StateDict(moonshot_net), 0
     for t in gguf.GGUFReader(path).tensors:
-        gtype, want = _expected(judge, t.name, cfg)
+        gtype, want = expected_tensor(judge, t.name, cfg)
         assert t.tensor_type.name == gtype, t.name
         bits = np.uint16 if gtype == "BF16" else np.uint32
         want = np.ascontiguousarray(want, dtype=np.float32 if gtype == "F32" else None)
@@ -423,8 +423,6 @@ def test_size_shards_on_the_hub_keep_a_file_the_next_task_reads(
 def test_kill_9_on_size_shards_resumes_to_identical_files(sources: dict[str, Path], tmp_path: Path) -> None:
     """kill -9 of a run on size shards after its k-th rename (a file done, its record not yet, the
     next begun): the rerun finishes the set, byte-identical to a clean one."""
-    from test_trust import KILL_AT
-
     src = sources["by-size:700000"]
     clean = tmp_path / "clean"
     assert convert(src, clean) == 0

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from checkpoint_edits import KILL_AT, read_tensors, write_tensors
 from conftest import PER_LAYER
-from test_bad_input import _tensors, _write
 
 from k3lab.cli import main
 from k3lab.kimi_k3.synth import synthesize
@@ -207,13 +207,13 @@ def test_a_hub_source_deletes_only_what_it_downloaded(tmp_path: Path) -> None:
 
 
 def _reshape(src: Path, file: str, name: str, shape: tuple[int, ...], data: bytes | None = None) -> None:
-    ts = _tensors(src / file)
+    ts = read_tensors(src / file)
     for t in ts:
         if t[0] == name:
             t[2] = shape
             if data is not None:
                 t[3] = data
-    _write(src / file, ts)
+    write_tensors(src / file, ts)
 
 
 def _shape_cases(src: Path) -> dict[str, Callable[[Path], str]]:
@@ -226,13 +226,13 @@ def _shape_cases(src: Path) -> dict[str, Callable[[Path], str]]:
 
     def transposed_q(s: Path) -> str:  # same bytes, other shape: [d, H] given as [d/2, 2H]
         f = _layer_file(s, kda)
-        rows = [t for t in _tensors(s / f) if t[0] == q][0][2][0]
+        rows = [t for t in read_tensors(s / f) if t[0] == q][0][2][0]
         _reshape(s, f, q, (rows // 2, 2 * H))
         return q
 
     def embed_rows(s: Path) -> str:
         index = json.loads((s / INDEX).read_text())["weight_map"]
-        t = [t for t in _tensors(s / index[emb]) if t[0] == emb][0]
+        t = [t for t in read_tensors(s / index[emb]) if t[0] == emb][0]
         _reshape(s, index[emb], emb, (t[2][0] - 2, H), t[3][: (t[2][0] - 2) * H * 2])
         return emb
 
@@ -396,20 +396,6 @@ def test_a_failure_at_every_write_point_leaves_a_folder_the_next_run_finishes(
         assert _convert(drawn, out) == 0, point
         assert _outputs(out) == clean, point
         assert not list(out.rglob("*.partial")), point
-
-
-KILL_AT = """
-import os, signal, sys
-point, real, seen = int(sys.argv[1]), os.replace, [0]
-def replace(a, b, **kw):
-    seen[0] += 1
-    if seen[0] == point:
-        os.kill(os.getpid(), signal.SIGKILL)
-    real(a, b, **kw)
-os.replace = replace
-from k3lab.cli import main
-sys.exit(main(sys.argv[2:]))
-"""
 
 
 def test_kill_9_between_any_two_writes_leaves_a_folder_the_next_run_finishes(
