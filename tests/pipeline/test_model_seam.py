@@ -196,12 +196,17 @@ def _module_imports() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         found: set[str] = set()
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found |= {
-                    f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules
-                }
-                found.add(node.module)
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: ``from . import x``, ``from .mod import y``, ``from .. import z``
+                    parent = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(parent + ([node.module] if node.module else []))
+                subs = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules}
+                found |= subs
+                if len(subs) < len(node.names):  # (a name from the package itself, not a submodule)
+                    found.add(base)
             elif isinstance(node, ast.Import):
                 found |= {a.name for a in node.names}
         graph[name] = {m for m in found if m in modules and m != name}
@@ -268,7 +273,7 @@ def test_declared_dependencies_are_the_imported_ones() -> None:
     dists = {"distributed": "dask", "llama_cpp": "llama_cpp_python"}
     used = {dists.get(m, m).lower() for m in third} - {"llama_cpp_python"}  # (the optional binding)
     # what the notebooks and `k3lab lab` run on, never imported by k3lab itself
-    runtimes = {"ipykernel", "ipywidgets", "jupyterlab", "jupytext"}
+    runtimes = {"ipykernel", "ipywidgets", "jupyterlab", "jupytext", "papermill"}  # (batch runs papermill)
     assert used == declared - runtimes, used ^ declared
 
 
