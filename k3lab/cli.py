@@ -89,6 +89,14 @@ def _check_logits(req: Request, args: argparse.Namespace) -> int:
     return 1 if stages.failed else 0
 
 
+def _check_vision(req: Request, args: argparse.Namespace) -> int:
+    check = request.check_vision(req, args.mmproj, args.image, args.threshold)
+    print(check.summary())
+    print(check.table())
+    print(f"check-vision {'FAILED at ' + check.failed[0] if check.failed else 'OK'}")
+    return 1 if check.failed else 0
+
+
 def _batch(req: Request, args: argparse.Namespace) -> int:
     from k3lab.pipeline.running.batch import summary
 
@@ -268,6 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--threshold", type=POSITIVE, default=1e-4, help="whole-model NMSE shown as good")
     cl.add_argument("--mode", choices=["ggml", "f32"], default="ggml", help="ggml: round as llama.cpp does")
     cl.add_argument("--blocks", action="store_true", help="print every position and every stage")
+
+    cv = command(
+        "check-vision", _check_vision, "the mmproj, read as a runtime reads it, vs the source's tower"
+    )
+    _flags(cv, SOURCE_FLAGS, meta=True)
+    cv.add_argument("--mmproj", required=True, help="the mmproj GGUF `k3lab vision` wrote")
+    cv.add_argument("--image", help="a PNG or JPEG (default: the sample the package ships)")
+    cv.add_argument("--threshold", type=POSITIVE, default=1e-4, help="largest relative error per stage")
 
     v = command(
         "verify", _verify, "check a set (a folder, or ORG/NAME on the Hub) against its manifest, source"

@@ -44,10 +44,10 @@ def run_demo(workdir: str | Path, seed: int = 0, jobs: int = 2, model: str = "ki
 
     req = Request(meta=str(src), out_dir=str(out), jobs=jobs, model=model)
     the_model = req.load_model()
-    if the_model.front is None:
-        raise K3LabError(f"--model {model}: brings no demo checkpoint (its Front)")
+    if the_model.guide is None:
+        raise K3LabError(f"--model {model}: brings no demo checkpoint (its Guide)")
     t = time.perf_counter()
-    made = the_model.front.demo(src, seed)
+    made = the_model.guide.demo(src, seed)
     if hasattr(made, "n_shards"):
         print(describe(made))
     step("synthesise", t, f"a synthetic {the_model.default_basename} checkpoint in {src}")

@@ -131,8 +131,8 @@ class Request:
             check_basename(self.name)
         split = make_split(self.split_max_size, self.split_max_tensors)
         template, line = None, ""
-        if model.front is not None and self.meta is not None:
-            template, line = model.front.chat_template(Path(self.meta), self.chat_template)
+        if model.guide is not None and self.meta is not None:
+            template, line = model.guide.chat_template(Path(self.meta), self.chat_template)
         return RunOptions(self.outtype, self.name, template, self.force, split), line
 
     def publication(self) -> Any:
@@ -243,11 +243,6 @@ def tensor_map(req: Request) -> str:
     return tensor_map_markdown(req.load_model())
 
 
-def is_repo(target: str) -> bool:
-    """Whether ``verify``'s target is a Hub repo (``ORG/NAME`` that is no local folder)."""
-    return not Path(target).exists() and bool(values.REPO_ID.fullmatch(target))
-
-
 def verify(
     req: Request,
     manifest: str | None = None,
@@ -267,7 +262,7 @@ def verify(
     from k3lab.pipeline.checking.report import Verified
     from k3lab.pipeline.checking.verify import verify as verify_set
 
-    remote = bool(req.out_dir) and is_repo(req.out_dir or "")
+    remote = bool(req.out_dir) and values.is_repo(req.out_dir or "")
     if source_revision is not None and not remote:
         raise K3LabError("--source-revision is for verifying a set on the Hub (ORG/NAME): give --revision")
     set_revision = req.revision if remote else None
@@ -350,12 +345,22 @@ def check_logits(
 ) -> tuple[Any, Any]:
     """The reference forward on the source against llama.cpp on ``gguf``: the whole model (for
     information) and every stage of llama.cpp's graph (the verdict)."""
-    from k3lab.kimi_k3.logits import check_logits as whole_model
-    from k3lab.kimi_k3.logits import check_stages
+    return _check(req, "check_logits", gguf, prompt, tokens, threshold, mode)
 
+
+def check_vision(req: Request, mmproj: str, image: str | None = None, threshold: float = 1e-4) -> Any:
+    """The model's vision reference on ``image`` (default: the package's sample) with the weights
+    ``mmproj`` holds and with the source's: the verdict per stage."""
+    return _check(req, "check_vision", mmproj, image, threshold)
+
+
+def _check(req: Request, name: str, *args: Any) -> Any:
+    """The model's ``name`` check (its guide's) on the request's source, opened fresh."""
+    model = req.load_model()
+    if (check := getattr(model.guide, name, None)) is None:
+        raise K3LabError(f"{model.name}: has no {name.replace('_', '-')}")
     with opened_source(req) as source:
-        report = whole_model(source, gguf, prompt, tokens, threshold, mode)
-        return report, check_stages(source, gguf, report.tokens, mode)
+        return check(source, *args)
 
 
 def batch(

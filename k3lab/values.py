@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from k3lab.errors import K3LabError
@@ -125,3 +126,8 @@ def output_files(chosen: str | None, n: int) -> list[int]:
                 raise ShardSpecError(f"--files {chosen!r}: file {k} is outside 1..{n}")
         out.update(range(a, b + 1))
     return sorted(out)
+
+
+def is_repo(target: str) -> bool:
+    """Whether ``verify``'s target is a Hub repo (``ORG/NAME`` that is no local folder)."""
+    return not Path(target).exists() and bool(REPO_ID.fullmatch(target))

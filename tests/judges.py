@@ -44,6 +44,10 @@ class Source:
         np_dtype = {"BF16": np.uint16, "F32": np.float32, "U8": np.uint8, "F16": np.float16}[dtype]
         return np.frombuffer(data, dtype=np_dtype).reshape(shape)
 
+    def dtype(self, name: str) -> str:
+        with safe_open(str(self.root / self.index[name]), framework="numpy") as f:
+            return f.get_slice(name).get_dtype()
+
     def f32(self, name: str) -> np.ndarray:
         a = self.raw(name)
         return (a.astype(np.uint32) << 16).view(np.float32) if a.dtype == np.uint16 else a.astype(np.float32)
@@ -138,3 +142,75 @@ def expected_tensor(src: Source, name: str, cfg: dict) -> tuple[str, np.ndarray]
             ]
         )
     raise AssertionError(f"no expectation for {name}")
+
+
+# the facts file's table: each GGUF name, its source tensor and its type ("src": the source's)
+VT, VB = "vision_tower.", "vision_tower.encoder.blocks.{i}."
+TABLE = {
+    "v.patch_embd.weight": (VT + "patch_embed.proj.weight", "F32"),
+    "v.position_embd.weight": (VT + "patch_embed.pos_emb.weight", "F32"),
+    "v.blk.{i}.ln1.weight": (VB + "norm0.weight", "F32"),
+    "v.blk.{i}.ln2.weight": (VB + "norm1.weight", "F32"),
+    "v.blk.{i}.attn_qkv.weight": (VB + "wqkv.weight", "src"),
+    "v.blk.{i}.attn_out.weight": (VB + "wo.weight", "src"),
+    "v.blk.{i}.ffn_up.weight": (VB + "mlp.fc0.weight", "src"),
+    "v.blk.{i}.ffn_down.weight": (VB + "mlp.fc1.weight", "src"),
+    "v.post_ln.weight": (VT + "encoder.final_layernorm.weight", "F32"),
+    "mm.1.weight": ("mm_projector.proj.0.weight", "src"),
+    "mm.2.weight": ("mm_projector.proj.2.weight", "src"),
+    "mm.post_norm.weight": ("mm_projector.post_norm.weight", "F32"),
+}
+
+
+def mmproj_names(blocks: int) -> dict[str, tuple[str, str]]:
+    """Every GGUF tensor of the table for a tower of ``blocks`` blocks: (source tensor, type)."""
+    out = {}
+    for name, (source, kind) in TABLE.items():
+        for i in range(blocks) if "{i}" in name else [0]:
+            out[name.format(i=i)] = (source.format(i=i), kind)
+    return out
+
+
+def fork_deinterleave(w: np.ndarray, heads: int) -> np.ndarray:
+    """The fork's converter (KimiK3VisionModel), restated: Q and K blocks as (H, d/4, 2, 2, C), axes 1
+    and 2 swapped; V as is."""
+    q = w.shape[0] // 3
+    d = q // heads
+
+    def permute(block: np.ndarray) -> np.ndarray:
+        return block.reshape(heads, d // 4, 2, 2, *block.shape[1:]).swapaxes(1, 2).reshape(block.shape)
+
+    return np.concatenate([permute(w[:q]), permute(w[q : 2 * q]), w[2 * q :]])
+
+
+def check_mmproj(src_dir: Path, path: Path) -> None:
+    """The mmproj at ``path`` read with gguf-py: every tensor of the table and nothing else, of its
+    type, each its source tensor's values exactly (BF16 widened to F32 exactly; ``wqkv`` as the
+    fork's converter de-interleaves it); every vision source tensor used."""
+    import gguf
+
+    src = Source(src_dir)
+    vision = json.loads((src_dir / "config.json").read_text())["vision_config"]
+    table = mmproj_names(int(vision["vt_num_hidden_layers"]))
+    tensors = gguf.GGUFReader(path).tensors
+    assert sorted(t.name for t in tensors) == sorted(table)
+    for t in tensors:
+        source, kind = table[t.name]
+        original, dtype = src.raw(source), src.dtype(source)
+        assert t.tensor_type.name == (dtype if kind == "src" else "F32"), t.name
+        data = np.asarray(t.data)
+        data = (data.view(np.uint16) if t.tensor_type.name == "BF16" else data).reshape(original.shape)
+        if t.tensor_type.name == "F32" and dtype == "BF16":  # widened: the low 16 bits are zero
+            bits = data.view(np.uint32)
+            assert not np.any(bits & 0xFFFF), t.name
+            data = (bits >> 16).astype(np.uint16)
+        expected = (
+            fork_deinterleave(original, int(vision["vt_num_attention_heads"]))
+            if "attn_qkv" in t.name
+            else original
+        )
+        assert np.array_equal(data.view(original.dtype), expected), t.name
+    wanted = {n for n in src.index if n.startswith(("vision_tower.", "mm_projector."))}
+    assert wanted == {source for source, _ in table.values()}, sorted(
+        wanted ^ {s for s, _ in table.values()}
+    )[:3]

@@ -85,6 +85,9 @@ def modeling() -> types.SimpleNamespace:
             self.weight = torch.nn.Parameter(torch.ones(hidden_size))
 
     text.ShortConvolution, text.FusedRMSNormGated = ShortConvolution, FusedRMSNormGated
+    # its position-table resize is wrapped in torch.compile; the judge runs it eagerly (the same
+    # F.interpolate, without a compiler toolchain or minutes of tracing)
+    torch._dynamo.config.disable = True
     processing = importlib.import_module(f"{PACKAGE}.kimi_k3_vision_processing")
     return types.SimpleNamespace(config=config, text=text, model=model, vision_processing=processing)
 
@@ -158,3 +161,22 @@ def save(net: Any, out: Path, layout: str, tokenizer_from: Path | None = None) -
             if (tokenizer_from / name).exists():
                 shutil.copy(tokenizer_from / name, out / name)
     return out
+
+
+def vision_forward(net: Any, meta_dir: Path, image: Any) -> tuple[Any, Any, Any]:
+    """Moonshot's own way from an image to its embeddings: its processor (``preprocessor_config.json``'s
+    ``media_proc_cfg``) makes the patches and the grid, ``vision_tower`` the merged tokens and
+    ``mm_projector`` the embeddings. Returns (patches [N, 3, 14, 14], grid (h, w), embeddings), as
+    float32 NumPy arrays."""
+    import torch
+
+    m = modeling()
+    raw = json.loads((meta_dir / "preprocessor_config.json").read_text())
+    processor = m.vision_processing.KimiK3VisionProcessor(raw.get("media_proc_cfg", raw))
+    batch = processor.preprocess([{"type": "image", "image": image}], return_tensors="pt")
+    dtype = net.vision_tower.patch_embed.proj.weight.dtype
+    with torch.no_grad():
+        merged = net.vision_tower(batch["pixel_values"].to(dtype), batch["grid_thws"])
+        (embeddings,) = net.mm_projector(merged)
+    _, h, w = (int(x) for x in batch["grid_thws"][0])
+    return batch["pixel_values"].float().numpy(), (h, w), embeddings.float().numpy()

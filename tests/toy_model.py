@@ -17,7 +17,7 @@ from k3lab.errors import K3LabError
 from k3lab.formats.files import read_json
 from k3lab.formats.gguf_stream import KV
 from k3lab.formats.safetensors import build_header
-from k3lab.pipeline.model import ALL, OUTPUT, Front, Model, Rule, TensorSpec
+from k3lab.pipeline.model import ALL, OUTPUT, Guide, Model, Rule, TensorSpec
 from k3lab.pipeline.streams import GENERIC, Shape, Transform
 
 ARCH = "toy"
@@ -134,7 +134,7 @@ k3lab verify --model toy_model $local
 ```
 """
 
-FRONT = Front(
+GUIDE = Guide(
     base_model="k3lab-test/Toy",
     card_template=lambda: CARD,
     rules_file="tests/toy_model.py",
@@ -159,7 +159,7 @@ MODEL = Model(
     config_tags=lambda cfg: frozenset(),
     layout=layout,
     file_kvs=file_kvs,
-    front=FRONT,
+    guide=GUIDE,
 )
 
 

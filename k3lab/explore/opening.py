@@ -88,7 +88,7 @@ def ensure_demo(folder: str | Path, model: str = "kimi-k3") -> Path:
     is missing: a notebook run with no checkpoint of its own looks at this one."""
     folder = Path(folder)
     if not (folder / "config.json").exists():
-        front = Request(model=model).load_model().front
+        front = Request(model=model).load_model().guide
         if front is None:
             raise K3LabError(f"--model {model}: brings no demo checkpoint")
         front.demo(folder, 0)

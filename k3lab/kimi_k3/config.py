@@ -262,8 +262,26 @@ class K3Config:
             raise ConfigError(f"{self.path}: no vision_config")
         _check(self.vision, VISION_REQUIRED, "vision_config", self.path, required=True)
         _check(self.vision, VISION_OPTIONAL, "vision_config", self.path, required=False)
-        if len(self.vision["merge_kernel_size"]) != 2:
+        v = self.vision
+        if len(v["merge_kernel_size"]) != 2:
             raise ConfigError(f"{self.path}: vision_config.merge_kernel_size needs 2 entries")
+        # what the kimik3 mmproj convention describes: MoonViT with RMSNorm and no biases,
+        # patchmergerv2 over 2-D merges, heads whose width the 2-D RoPE splits in four
+        described = {"norm_type": "rmsnorm", "merge_type": "sd2_tpool", "mm_projector_type": "patchmergerv2"}
+        for key, want in described.items():
+            if v.get(key) != want:
+                raise ConfigError(
+                    f"{self.path}: vision_config.{key} is {v.get(key)!r}; the mmproj describes {want!r}"
+                )
+        for key in ("attn_bias", "linear_bias", "patch_embed_proj_bias"):
+            if v.get(key):
+                raise ConfigError(f"{self.path}: vision_config.{key} is true; Kimi-K3's tower has no biases")
+        heads, qkv = int(v["vt_num_attention_heads"]), int(v["qkv_hidden_size"])
+        if qkv % heads or (qkv // heads) % 4:
+            raise ConfigError(
+                f"{self.path}: vision_config.qkv_hidden_size {qkv} over {heads} heads is not a head width "
+                "divisible by 4 (the 2-D RoPE turns it in four parts)"
+            )
 
     @classmethod
     def load(cls, meta_dir: str | Path) -> K3Config:

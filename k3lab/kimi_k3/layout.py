@@ -141,20 +141,22 @@ def _output_shard(cfg: K3Config, f: str) -> list[TensorSpec]:
 
 
 def _projector_shard(cfg: K3Config, f: str) -> list[TensorSpec]:
+    """patchmergerv2, as Moonshot's ``PatchMergerMLPV2`` holds it: two bias-free linears, then an
+    RMSNorm over the text width (no norm before, no bias anywhere)."""
     v = cfg.vision
     C, T = v["mm_hidden_size"], v["text_hidden_size"]
     kh, kw = v["merge_kernel_size"]
     merged = C * kh * kw
     return [
-        TensorSpec("mm_projector.pre_norm.weight", f, (C,), "norm"),
         TensorSpec("mm_projector.proj.0.weight", f, (merged, merged), "linear"),
-        TensorSpec("mm_projector.proj.0.bias", f, (merged,), "bias"),
         TensorSpec("mm_projector.proj.2.weight", f, (T, merged), "linear"),
-        TensorSpec("mm_projector.proj.2.bias", f, (T,), "bias"),
+        TensorSpec("mm_projector.post_norm.weight", f, (T,), "norm"),
     ]
 
 
 def _vision_shard(cfg: K3Config, f: str) -> list[TensorSpec]:
+    """MoonViT-3d as the real checkpoint holds it: a bias-free patch conv, the 2-D position table
+    (the time embedding is a buffer, never saved), bias-free blocks, the final RMSNorm."""
     v = cfg.vision
     C, ff, qkv, ps = v["vt_hidden_size"], v["vt_intermediate_size"], v["qkv_hidden_size"], v["patch_size"]
     p = "vision_tower."
@@ -163,7 +165,6 @@ def _vision_shard(cfg: K3Config, f: str) -> list[TensorSpec]:
         TensorSpec(
             p + "patch_embed.pos_emb.weight", f, (v["init_pos_emb_height"], v["init_pos_emb_width"], C), "pos"
         ),
-        TensorSpec(p + "patch_embed.pos_emb.time_weight", f, (v["init_pos_emb_time"], 1, C), "pos"),
     ]
     for i in range(v["vt_num_hidden_layers"]):
         b = f"{p}encoder.blocks.{i}."
@@ -258,9 +259,9 @@ def check_formats(cfg: K3Config, weight_map: dict[str, str]) -> None:
 
 
 def vision_layout(cfg: K3Config) -> dict[str, TensorSpec]:
-    """The vision tower's and projector's source tensors, by name."""
+    """The vision tower's and projector's source tensors, by name (in the declared float type)."""
     f = source_dtype(cfg)
-    return {s.name: s for s in (*_projector_shard(cfg, f), *_vision_shard(cfg, f))}
+    return _accepting([*_projector_shard(cfg, f), *_vision_shard(cfg, f)], declared_dtype(cfg))
 
 
 def shard_filename(k: int, n: int, moonshot: bool = False) -> str:

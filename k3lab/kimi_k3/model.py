@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from k3lab.formats.safetensors import INDEX_NAME
 from k3lab.kimi_k3.config import K3Config
-from k3lab.kimi_k3.front import FRONT
+from k3lab.kimi_k3.guide import GUIDE
 from k3lab.kimi_k3.keys import ARCH, file_kvs, tokenizer_kvs
 from k3lab.kimi_k3.layout import check_formats, unit_layout
 from k3lab.kimi_k3.mmproj import MMPROJ
@@ -38,6 +38,6 @@ MODEL = Model(
     tokenizer_kvs=tokenizer_kvs,
     single=MMPROJ,
     other_prefixes=MMPROJ.prefixes,
-    front=FRONT,
+    guide=GUIDE,
     check_source=check_formats,
 )

@@ -221,9 +221,11 @@ RULES: tuple[Rule, ...] = (
 RULES_DIGEST = rules_digest(RULES)
 
 
-# MoonViT tower + patchmergerv2 projector -> one mmproj GGUF, as llama.cpp's Kimi-K2.5 converter
-# names them (`clip` architecture, `v.*` and `mm.*` tensors). 1-D tensors and the patch embedding are
-# F32 (exact widening), everything else stays BF16 byte for byte.
+# MoonViT tower + patchmergerv2 projector -> one mmproj GGUF in the ``kimik3`` convention (the one
+# llama.cpp that runs K3's tower reads it so: unsloth's fork, PR #70). Norms and the position table
+# F32 (exact widening), the patch conv F32 (a conv kernel ggml wants in F32/F16), every matrix as the
+# source (BF16 stays BF16 byte for byte). The tower has no biases and no time weight: a tensor the
+# table does not name is one error, never dropped or guessed.
 VT, VB, MP = "vision_tower.", "vision_tower.encoder.blocks.{bid}.", "mm_projector."
 
 
@@ -234,52 +236,36 @@ def _vision(
     dtype: str = "keep",
     layers: str = VISION,
     note: str = "",
-    optional: bool = False,
 ) -> Rule:
-    return Rule(output, (source,), transform, dtype, layers, ANY, note, prefix="", optional=optional)
+    return Rule(output, (source,), transform, dtype, layers, ANY, note, prefix="")
 
 
 VISION_RULES: tuple[Rule, ...] = (
+    _vision("v.patch_embd.weight", VT + "patch_embed.proj.weight", dtype="f32", note="the patch conv, F32"),
     _vision(
-        "v.patch_embd.weight",
-        VT + "patch_embed.proj.weight",
+        "v.position_embd.weight",
+        VT + "patch_embed.pos_emb.weight",
         dtype="f32",
-        note="F32, as llama.cpp's clip wants",
-    ),
-    _vision("v.patch_embd.bias", VT + "patch_embed.proj.bias", dtype="f32", optional=True),
-    _vision("v.position_embd.weight", VT + "patch_embed.pos_emb.weight", note="[H, W, C] kept 3-D"),
-    _vision(
-        "v.position_embd_time.weight",
-        VT + "patch_embed.pos_emb.time_weight",
-        "squeeze_time",
-        note="K3 extra: [T, 1, C] -> [T, C]",
+        note="[H, W, C] kept 3-D (the runtime reads the grid from it), F32",
     ),
     _vision("v.blk.{bid}.ln1.weight", VB + "norm0.weight", dtype="f32", layers=VBLOCK),
-    _vision("v.blk.{bid}.ln1.bias", VB + "norm0.bias", dtype="f32", layers=VBLOCK, optional=True),
     _vision(
         "v.blk.{bid}.attn_qkv.weight",
         VB + "wqkv.weight",
         "qkv_rope_split",
         layers=VBLOCK,
-        note="fused qkv kept; Q and K rows permuted per head",
+        note="fused qkv; Q and K rows de-interleaved per head for the runtime's 2-D RoPE",
     ),
-    _vision("v.blk.{bid}.attn_qkv.bias", VB + "wqkv.bias", "qkv_rope_split", "f32", VBLOCK, optional=True),
     _vision("v.blk.{bid}.attn_out.weight", VB + "wo.weight", layers=VBLOCK),
-    _vision("v.blk.{bid}.attn_out.bias", VB + "wo.bias", dtype="f32", layers=VBLOCK, optional=True),
     _vision("v.blk.{bid}.ln2.weight", VB + "norm1.weight", dtype="f32", layers=VBLOCK),
-    _vision("v.blk.{bid}.ln2.bias", VB + "norm1.bias", dtype="f32", layers=VBLOCK, optional=True),
     _vision("v.blk.{bid}.ffn_up.weight", VB + "mlp.fc0.weight", layers=VBLOCK),
-    _vision("v.blk.{bid}.ffn_up.bias", VB + "mlp.fc0.bias", dtype="f32", layers=VBLOCK, optional=True),
     _vision("v.blk.{bid}.ffn_down.weight", VB + "mlp.fc1.weight", layers=VBLOCK),
-    _vision("v.blk.{bid}.ffn_down.bias", VB + "mlp.fc1.bias", dtype="f32", layers=VBLOCK, optional=True),
     _vision("v.post_ln.weight", VT + "encoder.final_layernorm.weight", dtype="f32"),
-    _vision("v.post_ln.bias", VT + "encoder.final_layernorm.bias", dtype="f32", optional=True),
-    _vision("mm.input_norm.weight", MP + "pre_norm.weight", dtype="f32"),
-    _vision("mm.input_norm.bias", MP + "pre_norm.bias", dtype="f32", optional=True),
     _vision("mm.1.weight", MP + "proj.0.weight", note="patchmergerv2 first linear"),
-    _vision("mm.1.bias", MP + "proj.0.bias", dtype="f32", optional=True),
     _vision("mm.2.weight", MP + "proj.2.weight", note="patchmergerv2 second linear"),
-    _vision("mm.2.bias", MP + "proj.2.bias", dtype="f32", optional=True),
+    _vision(
+        "mm.post_norm.weight", MP + "post_norm.weight", dtype="f32", note="the RMSNorm after the projector"
+    ),
 )
 
 

@@ -136,19 +136,6 @@ def _qkv_shape(s: Shape, cfg: K3Config) -> Shape:
     return s
 
 
-def squeeze_time(w: np.ndarray, cfg: K3Config | None = None) -> np.ndarray:
-    """pos_emb.time_weight [T, 1, C] -> [T, C]."""
-    return w.reshape(w.shape[0], w.shape[-1])
-
-
-def _squeeze_time_shape(s: Shape, cfg: K3Config | None = None) -> Shape:
-    return (s[0], s[-1])
-
-
-def unsqueeze_time(w: np.ndarray, cfg: K3Config | None = None) -> np.ndarray:
-    return w.reshape(w.shape[0], 1, w.shape[-1])
-
-
 TRANSFORMS: dict[str, Transform] = GENERIC | {
     t.name: t
     for t in [
@@ -175,13 +162,6 @@ TRANSFORMS: dict[str, Transform] = GENERIC | {
             _qkv_shape,
             "Q and K rows permuted per head (interleaved -> split 2-D RoPE), V as is",
             inverse=qkv_rope_merge,
-        ),
-        Transform(
-            "squeeze_time",
-            squeeze_time,
-            _squeeze_time_shape,
-            "[T, 1, C] -> [T, C]",
-            inverse=unsqueeze_time,
         ),
     ]
 }

@@ -114,7 +114,7 @@ class SingleFileModel:
 
 
 @dataclass(frozen=True)
-class Front:
+class Guide:
     """What the front (CLI, notebooks, demo, a published repo's card) needs of a model, besides what
     the pipeline does: plain data and functions, so that a model module is all a new family adds.
 
@@ -126,7 +126,12 @@ class Front:
     - ``chat_template``: (meta folder, ``--chat-template`` file or None) -> (the template to embed
       or None for the source's own, one line saying which and what it means for llama.cpp);
     - ``demo``: (folder, seed) -> writes a small synthetic checkpoint there (``k3lab demo``);
-    - ``vision_note``: what llama.cpp does with the model's single file today (the card says it).
+    - ``vision_note``: what llama.cpp does with the model's single file today (the card says it);
+    - ``check_logits``: (opened source, GGUF, prompt, token ids, threshold, mode) -> (the whole
+      model's report, the per-stage one): ``k3lab check-logits``;
+    - ``check_vision``: (opened source, mmproj, image or None, threshold) -> the per-stage
+      report: ``k3lab check-vision``.
+    Both import what they need when called (``k3lab --help`` loads no NumPy reference).
     """
 
     base_model: str
@@ -136,6 +141,8 @@ class Front:
     chat_template: Callable[[Path, Path | None], tuple[str | None, str]]
     demo: Callable[[Path, int], Any]
     vision_note: str = ""  # what llama.cpp does with the model's mmproj today, in a sentence or two
+    check_logits: Callable[..., tuple[Any, Any]] | None = None
+    check_vision: Callable[..., Any] | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -160,7 +167,7 @@ class Model:
     tokenizer_name: str = "{basename}-tokenizer.gguf"  # the standalone tokenizer GGUF beside a set
     single: SingleFileModel | None = None
     other_prefixes: tuple[str, ...] = field(default=())  # source tensors of other outputs
-    front: Front | None = None  # what the front needs (the card, TENSOR_MAP.md, the demo)
+    guide: Guide | None = None  # what the front needs (the card, TENSOR_MAP.md, the demo)
     # (config, tensor name -> file) -> None, or one line when the checkpoint's tensors cannot be what
     # the config says (Kimi-K3: MXFP4-packed experts without a quantization_config)
     check_source: Callable[[Any, dict[str, str]], None] | None = None

@@ -270,7 +270,7 @@ def test_declared_dependencies_are_the_imported_ones() -> None:
             elif isinstance(node, ast.Import):
                 imported |= {a.name.split(".")[0] for a in node.names}
     third = {m for m in imported if m not in sys.stdlib_module_names and m != "k3lab"}
-    dists = {"distributed": "dask", "llama_cpp": "llama_cpp_python"}
+    dists = {"distributed": "dask", "llama_cpp": "llama_cpp_python", "PIL": "pillow"}
     used = {dists.get(m, m).lower() for m in third} - {"llama_cpp_python"}  # (the optional binding)
     # what the notebooks and `k3lab lab` run on, never imported by k3lab itself
     runtimes = {"ipykernel", "ipywidgets", "jupyterlab", "jupytext", "papermill"}  # (batch runs papermill)

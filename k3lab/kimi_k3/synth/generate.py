@@ -43,7 +43,7 @@ from k3lab.kimi_k3.config import K3Config
 from k3lab.kimi_k3.layout import TensorSpec, checkpoint_layout, save_order, shard_filename
 
 from . import bpe
-from .presets import N_SPECIAL, PRESET_LAYOUT, PRESETS
+from .presets import N_SPECIAL, PRESET_LAYOUT, PRESETS, preprocessor_config
 
 # how often each E2M1 magnitude index 0..7 appears in a quantised Gaussian block (out of 256)
 _CODE_WEIGHTS = np.array([40, 62, 52, 36, 26, 22, 12, 6])
@@ -384,14 +384,7 @@ def synthesize(
         (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     write_tokenizer_files(out, cfg, seed)
     if cfg.vision:
-        pre = {
-            "image_mean": [0.5, 0.5, 0.5],
-            "image_std": [0.5, 0.5, 0.5],
-            "patch_size": cfg.vision["patch_size"],
-            "merge_kernel_size": cfg.vision["merge_kernel_size"],
-            "in_patch_limit": 16384,
-            "image_processor_type": "KimiK25VisionProcessor",
-        }
+        pre = preprocessor_config(cfg.vision)
         (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2) + "\n", encoding="utf-8")
     files = tuple(f for f, _ in groups)
     return SynthResult(out, preset, len(groups), len(weight_map), total, _disk_usage(out), layout, files)

@@ -123,6 +123,8 @@ def real_config() -> dict[str, Any]:
         "norm_type": "rmsnorm",
         "attn_bias": False,
         "linear_bias": False,
+        "patch_embed_proj_bias": False,
+        "pos_emb_interpolation_mode": "bilinear",
         "init_pos_emb_height": 64,
         "init_pos_emb_width": 64,
         "init_pos_emb_time": 4,
@@ -323,6 +325,23 @@ def tiny_f32_config() -> dict[str, Any]:
     )
     cfg["dtype"] = "float32"
     return cfg
+
+
+def preprocessor_config(vision: dict[str, Any]) -> dict[str, Any]:
+    """preprocessor_config.json as Moonshot's processor keeps it (``KimiK3VisionProcessor(media_proc_cfg)``:
+    its ``merge_kernel_size`` one int, every key it reads present)."""
+    return {
+        "media_proc_cfg": {
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "patch_size": vision["patch_size"],
+            "merge_kernel_size": int(vision["merge_kernel_size"][0]),
+            "in_patch_limit": 16384,
+            "patch_limit_on_one_side": 512,
+            "fixed_output_tokens": None,
+        },
+        "image_processor_type": "KimiK3VisionProcessor",
+    }
 
 
 def layer_config(layers: int = 2) -> dict[str, Any]:

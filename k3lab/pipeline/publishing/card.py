@@ -1,5 +1,5 @@
 """What a published repo holds besides the set: the model card and ``TENSOR_MAP.md``, assembled here
-and only here, for any model: its ``Front`` gives the template and the base model, this module the
+and only here, for any model: its ``Guide`` gives the template and the base model, this module the
 fields (every one derived from the plan, the records and the target, never from the maker's
 machine), and the pipeline commits the bytes with the set's last files.
 
@@ -81,7 +81,7 @@ def source_license(repo: str, endpoint: str | None, token: str | None) -> dict[s
 
 
 def _front_matter(model: Model, license: dict[str, str], has_mmproj: bool) -> str:
-    base = model.front.base_model if model.front else ""
+    base = model.guide.base_model if model.guide else ""
     lines = ["---"]
     if base:
         lines += [f"base_model: {base}", "base_model_relation: quantized"]
@@ -104,7 +104,7 @@ def conversion_command(plan: Any) -> str:
     pinned = plan.inputs.get("pinned") or {}
     options = plan.inputs.get("options") or {}
     cmd = ["k3lab", "convert"]
-    if plan.model.front is None or plan.model.module != "k3lab.kimi_k3.model":
+    if plan.model.guide is None or plan.model.module != "k3lab.kimi_k3.model":
         cmd += ["--model", plan.model.module]
     if pinned.get("repo"):
         cmd += ["--repo", pinned["repo"], "--revision", pinned["commit"], "--meta", "META"]
@@ -156,7 +156,7 @@ def card_fields(
         "basename": plan.basename,
         "label": plan.label,
         "version": __version__,
-        "base_model": model.front.base_model if model.front else "",
+        "base_model": model.guide.base_model if model.guide else "",
         "n_files": len(text),
         "total_size": in_unit(total, size_unit(total)),
         "n_tensors": plan.n_tensors,
@@ -201,7 +201,7 @@ def _singles_section(model: Model, local: str, first: str, mmproj: str, tokenize
     """The card's part on the files beside the set (empty when there are none)."""
     parts = []
     if mmproj:
-        note = model.front.vision_note if model.front else ""
+        note = model.guide.vision_note if model.guide else ""
         parts += [
             f"`{mmproj}` holds the vision tower and projector as a llama.cpp `clip` mmproj. {note}",
             "",
@@ -235,11 +235,11 @@ def card_files(
     """The card and the tensor map of a published set."""
     from k3lab.pipeline.publishing.tensor_map import tensor_map_markdown
 
-    if model.front is None:
-        raise K3LabError(f"{model.name}: the model brings no card (its Front)")
+    if model.guide is None:
+        raise K3LabError(f"{model.name}: the model brings no card (its Guide)")
     fields = card_fields(model, plan, records, kvs, repo, license)
     return {
-        CARD_NAME: render_card(model.front.card_template(), fields).encode(),
+        CARD_NAME: render_card(model.guide.card_template(), fields).encode(),
         TENSOR_MAP_NAME: tensor_map_markdown(model).encode(),
     }
 
@@ -250,6 +250,6 @@ def extra_files(
     """What the last commit of a whole set adds beside it: the card (with the license of the source's
     repo, or of the model's base repo for a local copy) and the tensor map."""
     pinned = plan.inputs.get("pinned") or {}
-    base = pinned.get("repo") or (model.front.base_model if model.front else "")
+    base = pinned.get("repo") or (model.guide.base_model if model.guide else "")
     license = source_license(base, target.endpoint, target.token) if base else {"license": "unknown"}
     return card_files(model, plan, records, kvs, target.repo, license)

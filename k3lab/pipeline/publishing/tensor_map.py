@@ -1,5 +1,5 @@
 """TENSOR_MAP.md, generated from a model's rule table (`k3lab tensor-map > TENSOR_MAP.md`): any
-model's, in the words its ``Front`` gives for its tags."""
+model's, in the words its ``Guide`` gives for its tags."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def _table(model: Model, rules: tuple[Rule, ...], tags: dict[str, str]) -> list[
 
 
 def tensor_map_markdown(model: Model) -> str:
-    tags = {**GENERIC_TAGS, **(model.front.tags if model.front else {})}
-    where = f"`{model.front.rules_file}`" if model.front else f"`{model.module}`"
+    tags = {**GENERIC_TAGS, **(model.guide.tags if model.guide else {})}
+    where = f"`{model.guide.rules_file}`" if model.guide else f"`{model.module}`"
     inverses = ", ".join(f"`{t.name}`" for t in model.transforms.values() if t.inverse is not None)
     lines = [
         f"# {model.default_basename} tensor map",

@@ -91,7 +91,9 @@ class OutputFolder:
         return self.lock.hold(run_token)
 
     @contextlib.contextmanager
-    def begin(self, plan: Plan, kvs: list[KV] | None, run_token: str | None = None) -> Iterator[tuple[str, list[str]]]:
+    def begin(
+        self, plan: Plan, kvs: list[KV] | None, run_token: str | None = None
+    ) -> Iterator[tuple[str, list[str]]]:
         """The folder held for a run of ``plan``: its lock (or, with ``run_token``, the check that
         this run holds it), the plan saved when it is new (``kvs``: file 1's metadata) and the files
         of an earlier split it replaces retired, what a killed run left removed. Yields the run's
