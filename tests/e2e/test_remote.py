@@ -306,3 +306,48 @@ def test_the_header_parser_agrees_with_gguf_py(tiny_out: Path, tmp_path: Path) -
                 assert cut < more.at_least <= mine.data_start, (path.name, cut)
             else:
                 assert early.data_start == mine.data_start and early.tensors == mine.tensors, (path.name, cut)
+
+
+def test_verify_on_the_hub_covers_the_files_beside_the_set(
+    tiny_src: Path, tiny_out: Path, tmp_path: Path
+) -> None:
+    """The set as a publishing run leaves it (the split set, the mmproj, the tokenizer GGUF, one
+    manifest): every file counted and checked against the manifest, the mmproj also re-derived from
+    the source by ranges; one of them gone from the repo, or another source, is named."""
+    from k3lab.cli import main
+
+    folder = tmp_path / "set"
+    shutil.copytree(tiny_out, folder)
+    assert main(["vision", "--meta", str(tiny_src), "--out", str(folder / "mmproj-Kimi-K3-BF16.gguf")]) == 0
+    assert main(["tokenizer", "--meta", str(tiny_src), "--out", str(folder / "Kimi-K3-tokenizer.gguf")]) == 0
+    mm = len(gguf.GGUFReader(folder / "mmproj-Kimi-K3-BF16.gguf").tensors)
+    with HubServer(tiny_src) as hub:
+        hub.add_repo(SET, folder, large=None)
+        env = hub.client_env(tmp_path)
+        ok = run_cli(env, "verify", SET, "--all")
+        assert ok.returncode == 0 and f"verify OK: 11 files, {218 + mm} tensors" in ok.stdout, (
+            ok.stdout + ok.stderr
+        )
+        src = ["--meta", str(tmp_path / "meta"), "--repo", REPO]
+        full = run_cli(env, "verify", SET, "--all", *src)
+        assert full.returncode == 0 and "re-derived from the source" in full.stdout, full.stdout + full.stderr
+        files = hub.files_of(SET)
+        hub._new_commit({n: b for n, b in files.items() if n != "Kimi-K3-tokenizer.gguf"}, "drop", SET)
+        gone = run_cli(env, "verify", SET)
+        assert (
+            gone.returncode == 1
+            and "Kimi-K3-tokenizer.gguf: in MANIFEST.json, not in the repo" in gone.stdout
+        )
+    # another source (another seed): the mmproj's tensors are not what it gives
+    other = tmp_path / "other-src"
+    from k3lab.kimi_k3.synth import synthesize
+
+    synthesize("tiny", other, seed=1)
+    with HubServer(other) as hub:
+        hub.add_repo(SET, folder, large=None)
+        env = hub.client_env(tmp_path / "o")
+        bad = run_cli(
+            env, "verify", SET, "--tensors", "v.blk.0.*", "--meta", str(tmp_path / "o-meta"), "--repo", REPO
+        )
+        said = "6 problems: tensors the source re-derives differently (1 files: mmproj-Kimi-K3-BF16.gguf)"
+        assert bad.returncode == 1 and said in bad.stdout, bad.stdout + bad.stderr

@@ -405,3 +405,22 @@ def test_verify_summarises_a_damaged_set_in_at_most_five_lines(
         and "truncated files (2 files" in text
         and "not GGUF (2 files" in text
     ), text
+
+
+def test_a_remote_header_the_repo_stops_serving_is_one_error_not_a_wait(tmp_path: Path) -> None:
+    """A GGUF header read by ranges from a server that answers with no bytes (or a file of no
+    tensors ending at its last key, as the tokenizer GGUF does): an answer, never a loop."""
+    from k3lab.cli import main as cli
+    from k3lab.pipeline.checking.remote import RemoteSetError, read_header
+
+    src = tmp_path / "src"
+    synthesize("tiny", src, seed=0)
+    tok = tmp_path / "Kimi-K3-tokenizer.gguf"
+    assert cli(["tokenizer", "--meta", str(src), "--out", str(tok)]) == 0
+    data = tok.read_bytes()
+    header = read_header(tok.name, len(data), lambda f, a, b: data[a:b])
+    assert header.data_start == len(data) and not header.tensors
+    with pytest.raises(
+        RemoteSetError, match=r"Kimi-K3-tokenizer.gguf: the repo served no bytes from 4096 on"
+    ):
+        read_header(tok.name, len(data), lambda f, a, b: data[a:b] if a == 0 else b"", probe=4096)

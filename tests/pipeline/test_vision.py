@@ -216,3 +216,19 @@ def test_check_vision_refuses_what_is_no_mmproj_of_this_tower(tiny_src: Path, tm
         done = run_cli(None, *args)
         assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, (what, done.stderr)
         assert said in done.stderr, (what, done.stderr)
+
+
+def test_verify_re_derives_the_mmproj_from_the_source(tiny_src: Path, tmp_path: Path) -> None:
+    """``verify OUT --src`` makes the mmproj's tensors again: its own source agrees, another seed's
+    differs, tensor by tensor."""
+    from k3lab.kimi_k3.synth import synthesize
+
+    mmproj(tiny_src, tmp_path / "out")
+    done = run_cli(None, "verify", str(tmp_path / "out"), "--src", str(tiny_src), "--quiet")
+    assert done.returncode == 0 and "re-derived from the source" in done.stdout, done.stdout + done.stderr
+    synthesize("tiny", tmp_path / "other", seed=1)
+    bad = run_cli(None, "verify", str(tmp_path / "out"), "--src", str(tmp_path / "other"), "--quiet")
+    assert bad.returncode == 1
+    n = 6 * 2 + 6  # every tensor of tiny's two-block tower
+    said = f"{n} problems: tensors the source re-derives differently (1 files: mmproj-Kimi-K3-BF16.gguf)"
+    assert said in bad.stdout, bad.stdout

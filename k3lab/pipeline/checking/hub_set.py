@@ -124,6 +124,8 @@ def verify_repo(
             _check_structure(base, headers, report)
             if plan is not None:
                 _check_plan(plan, headers, report)
+        else:
+            report.tensors += len(headers[0].tensors)
         for h in headers:
             rec = recorded.get(h.file)
             if rec is not None and rec.header_sha256 != h.header_sha256:
@@ -133,7 +135,11 @@ def verify_repo(
                     f"{h.file}: header (metadata and tensor infos) differs from the manifest",
                 )
             report.files += 1
-        _check_bytes(files, headers, choice, recorded, None if beside else plan, source, report, say)
+        derive = _single_deriver(model, source, headers[0]) if beside else None
+        _check_bytes(files, headers, choice, recorded, None if beside else plan, source, report, say, derive)
+    for rec in manifest.records if manifest else []:
+        if rec.file not in files.sizes:
+            report.add("missing", rec.file, f"{rec.file}: in {MANIFEST_NAME}, not in the repo")
     if not texts:
         raise K3LabError(f"{files.repo}@{files.commit[:12]}: holds no GGUF set of a text model")
     if not recorded and plan is None and (choice.every or choice.sample or choice.tensors):
@@ -143,6 +149,18 @@ def verify_repo(
             f"{files.repo}: no {MANIFEST_NAME} and no source given: tensor bytes were read but not compared",
         )
     return report
+
+
+def _single_deriver(model: Model | None, source: Any, h: Header) -> Any:
+    """For the model's single file (the mmproj) and a source: names -> their digests made again."""
+    single = model.single if model is not None else None
+    if source is None or single is None or h.fields.get("general.architecture") != single.arch:
+        return None
+    from pathlib import Path
+
+    from k3lab.pipeline.writing.single import single_digests
+
+    return lambda names: single_digests(model, model.load_config(Path(source.meta_dir)), source, names)
 
 
 def _beside_the_set(h: Header) -> bool:
@@ -218,6 +236,7 @@ def _check_bytes(
     source: Any,
     report: Report,
     say: Any,
+    derive: Any = None,
 ) -> None:
     planned = {t.name: (f, t) for f in plan.files for t in f.tensors} if plan is not None else {}
     for h in headers:
@@ -225,15 +244,22 @@ def _check_bytes(
         chosen = choice.pick(h.file, {t.name: t.nbytes for t in h.tensors})
         rec = recorded.get(h.file)
         want = {t.name: t.sha256 for t in rec.tensors} if rec is not None else {}
+        derived = derive(set(chosen)) if derive is not None and chosen else {}
         for name in chosen:
             t = by_name[name]
             digest = _hash(tensor_pieces(t, files.fetch))
             report.bytes += t.nbytes
             if name in want and want[name] != digest:
                 report.add("tensor", h.file, f"{h.file}: tensor {name}: SHA-256 differs from the manifest")
+            if name in derived and derived[name][2] != digest:
+                report.add(
+                    "rederive",
+                    h.file,
+                    f"{h.file}: tensor {name}: re-derived from the source, SHA-256 differs",
+                )
             if name in planned:
-                derived = _derive(planned[name], source)
-                if derived != digest:
+                derived_text = _derive(planned[name], source)
+                if derived_text != digest:
                     report.add(
                         "rederive",
                         h.file,

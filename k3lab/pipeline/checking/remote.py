@@ -61,7 +61,10 @@ def read_header(file: str, size: int, fetch: Fetch, probe: int = PROBE) -> Heade
     have = bytearray()
     want = min(probe, size)
     while True:
-        have += fetch(file, len(have), want)
+        got = fetch(file, len(have), want) if want > len(have) else b""
+        if not got and len(have) < want:
+            raise RemoteSetError(f"{file}: the repo served no bytes from {len(have)} on, of {size}")
+        have += got
         try:
             parsed = gguf_header.parse(have, KEYS, size)
         except gguf_header.NeedMore as more:
@@ -71,12 +74,15 @@ def read_header(file: str, size: int, fetch: Fetch, probe: int = PROBE) -> Heade
             continue
         except gguf_header.GGUFHeaderError as e:
             raise RemoteSetError(f"{file}: {e}") from None
-        if parsed.data_start > len(have):  # (the padding up to the data's alignment)
-            want = min(size, parsed.data_start)
+        # the padding up to the data's alignment (a file of no tensors, the tokenizer GGUF, may end
+        # at its last key: its header is then the whole file)
+        data_start = min(parsed.data_start, size)
+        if data_start > len(have):
+            want = data_start
             continue
         tensors = [Tensor(t.name, t.type, t.ne, t.offset, t.nbytes, file) for t in parsed.tensors]
-        digest = hashlib.sha256(have[: parsed.data_start]).hexdigest()
-        return Header(file, size, parsed.kvs, tensors, parsed.data_start, digest, len(have))
+        digest = hashlib.sha256(have[:data_start]).hexdigest()
+        return Header(file, size, parsed.kvs, tensors, data_start, digest, len(have))
 
 
 def tensor_pieces(t: Tensor, fetch: Fetch, piece: int = PIECE) -> Iterator[bytes]:

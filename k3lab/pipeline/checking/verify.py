@@ -171,7 +171,27 @@ def verify(
         if model is None:
             raise ManifestError("re-deriving from a source needs the model")
         _rederive(model, out_dir, records, source, report, quiet)
+        _rederive_single(
+            model, [r for r in others if model.single and r.kind == model.single.kind], source, report
+        )
     return report
+
+
+def _rederive_single(model: Model, records: list[Record], spec: SourceSpec, report: Report) -> None:
+    """The model's single file (the mmproj) made again from the source, by ranges, and compared."""
+    from k3lab.pipeline.writing.single import compare_derived, single_digests
+
+    if not records:
+        return
+    source = open_source(spec, fresh=True)
+    try:
+        source.fetch_meta()
+        derived = single_digests(model, model.load_config(Path(spec.meta_dir)), source)
+    finally:
+        source.close()
+    for rec in records:
+        recorded = {t.name: (t.type, tuple(t.ne), t.sha256) for t in rec.tensors}
+        compare_derived(rec.file, recorded, derived, report.add)
 
 
 def _check_set(

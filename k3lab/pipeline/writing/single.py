@@ -109,6 +109,50 @@ def _write_single(
     return out
 
 
+def single_digests(
+    model: Model, cfg: Any, source: Source, names: set[str] | None = None
+) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """The model's single file made again from the source, hashed, not written: each tensor's
+    (type, ne, SHA-256), of those in ``names`` (default: every one). Read where the tensors are (a
+    Hub source by ranges, nothing downloaded)."""
+    import hashlib
+
+    import numpy as np
+
+    from k3lab.pipeline.writing.convert import tensor_pieces
+
+    out = {}
+    for pt in plan_single(model, cfg, source):
+        if names is not None and pt.name not in names:
+            continue
+        entries = {}
+        for file in dict.fromkeys(source.weight_map[n] for n in pt.sources):
+            entries.update(source.file_header(file)[0])
+        h = hashlib.sha256()
+        for piece in tensor_pieces(pt, Reader(source, entries)):
+            h.update(memoryview(np.ascontiguousarray(piece)).cast("B"))
+        out[pt.name] = (pt.info.type.name, tuple(pt.info.ne), h.hexdigest())
+    return out
+
+
+def compare_derived(
+    file: str, recorded: dict[str, tuple[str, tuple[int, ...], str]], derived: dict, add: Any
+) -> None:
+    """``add(kind, file, line)`` for each tensor the source gives otherwise than the record says."""
+    for name in sorted(derived.keys() - recorded.keys()):
+        add("rederive", file, f"{file}: tensor {name}: the source gives it, the file lacks it")
+    for name in sorted(derived.keys() & recorded.keys()):
+        (t, ne, sha), (want_t, want_ne, want_sha) = recorded[name], derived[name]
+        if (t, tuple(ne)) != (want_t, tuple(want_ne)):
+            add(
+                "rederive",
+                file,
+                f"{file}: tensor {name}: {t} {list(ne)}, the source gives {want_t} {list(want_ne)}",
+            )
+        elif sha != want_sha:
+            add("rederive", file, f"{file}: tensor {name}: re-derived from the source, SHA-256 differs")
+
+
 def convert_tokenizer(
     model: Model,
     meta_dir: str | Path,
