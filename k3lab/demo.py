@@ -61,10 +61,16 @@ def run_demo(workdir: str | Path, seed: int = 0, jobs: int = 2, model: str = "ki
         t = time.perf_counter()
         tok = request.tokenizer(req, str(out / f"{the_model.default_basename}-tokenizer.gguf"))
         step("tokenizer", t, f"{tok.name} ({human_bytes(tok.stat().st_size)})")
+    seen = None
     if the_model.single is not None:
         t = time.perf_counter()
         mmproj = request.vision(req, str(out / f"mmproj-{the_model.default_basename}-BF16.gguf"))
         step("vision", t, f"{mmproj.name} ({human_bytes(mmproj.stat().st_size)})")
+        if the_model.guide is not None and the_model.guide.check_vision is not None:
+            t = time.perf_counter()
+            seen = request.check_vision(req, str(mmproj))
+            verdict = "every stage agrees" if seen.ok else f"FAILED at {seen.failed[0]}"
+            step("check-vision", t, f"{verdict}: {len(seen.stages)} stages, {seen.image.tokens} image tokens")
 
     t = time.perf_counter()
     report = request.verify(req).report
@@ -88,9 +94,12 @@ def run_demo(workdir: str | Path, seed: int = 0, jobs: int = 2, model: str = "ki
     for label, seconds, note in steps:
         print(f"{label:<12} {seconds:>8.2f}  {note[:90]}")
     print(f"\ndemo finished in {time.perf_counter() - t0:.1f} s; everything is in {workdir}/")
-    print(f"  next: k3lab check-logits --meta {src} --gguf {first}")
+    if importlib.util.find_spec("llama_cpp") is not None:
+        print(f"  next: k3lab check-logits --meta {src} --gguf {first}")
+    else:
+        print(f"  next: k3lab verify {out} --src {src}   (every tensor made again from the source)")
     print("        make lab   (or: k3lab lab; the notebooks read this demo's files)")
-    return 0 if report.ok else 1
+    return 0 if report.ok and (seen is None or seen.ok) else 1
 
 
 def demo_command(req: Any, args: Any) -> int:

@@ -152,3 +152,44 @@ def block_permutation(source_bytes: bytes, scale: int, ggml_bytes: bytes) -> Fig
         "each box is a nibble, numbered by the element (0-31) it holds; byte j of ggml holds elements j and j+16"
     )
     return fig
+
+
+def image_patches(pixels: np.ndarray, resized: tuple[int, int], patch: int, merge: int) -> Figure:
+    """The image as the tower takes it: its patch grid (thin), the merged tokens (thick), and the
+    padding beyond the resized image (hatched)."""
+    height, width = pixels.shape[:2]
+    fig = Figure(figsize=(7, 7 * height / max(width, 1) + 0.6), layout="constrained")
+    ax = fig.subplots()
+    ax.imshow(pixels, interpolation="nearest")
+    for x in range(0, width + 1, patch):
+        ax.axvline(x - 0.5, color="white", lw=1.4 if x % (patch * merge) == 0 else 0.4, alpha=0.8)
+    for y in range(0, height + 1, patch):
+        ax.axhline(y - 0.5, color="white", lw=1.4 if y % (patch * merge) == 0 else 0.4, alpha=0.8)
+    rw, rh = resized
+    for xy, w, h in (((rw - 0.5, -0.5), width - rw, height), ((-0.5, rh - 0.5), rw, height - rh)):
+        if w > 0 and h > 0:
+            ax.add_patch(Rectangle(xy, w, h, fill=False, hatch="//", edgecolor="tab:red", lw=0))
+    ax.set_title(
+        f"{width // patch} x {height // patch} patches of {patch} px, "
+        f"{(width // patch // merge) * (height // patch // merge)} tokens of {merge} x {merge} (padding hatched)"
+    )
+    ax.set_xticks([])
+    ax.set_yticks([])
+    return fig
+
+
+def stage_agreement(stages: list[dict[str, Any]], threshold: float) -> Figure:
+    """Each stage's largest relative difference, the mmproj's weights against the source's."""
+    fig = Figure(figsize=(7, 3.2), layout="constrained")
+    ax = fig.subplots()
+    names = [s["stage"] for s in stages]
+    values = [max(s["max rel"], 1e-12) for s in stages]  # (zero: drawn at the floor)
+    ax.bar(names, values, color=["tab:green" if s["ok"] else "tab:red" for s in stages])
+    ax.axhline(threshold, color="black", ls="--", lw=1, label=f"threshold {threshold:g}")
+    ax.set_yscale("log")
+    ax.set_ylim(1e-12, 1)
+    ax.set_ylabel("max relative difference")
+    ax.set_title("the mmproj's tower against the source's, stage by stage (1e-12: identical)")
+    ax.tick_params(axis="x", rotation=45, labelsize="small")
+    ax.legend(fontsize="small")
+    return fig

@@ -348,19 +348,21 @@ def check_logits(
     return _check(req, "check_logits", gguf, prompt, tokens, threshold, mode)
 
 
-def check_vision(req: Request, mmproj: str, image: str | None = None, threshold: float = 1e-4) -> Any:
+def check_vision(
+    req: Request, mmproj: str, image: str | None = None, threshold: float = 1e-4, source: Any = None
+) -> Any:
     """The model's vision reference on ``image`` (default: the package's sample) with the weights
-    ``mmproj`` holds and with the source's: the verdict per stage."""
-    return _check(req, "check_vision", mmproj, image, threshold)
+    ``mmproj`` holds and with the source's, stage by stage (``source``: one a notebook holds open)."""
+    return _check(req, "check_vision", mmproj, image, threshold, source=source)
 
 
-def _check(req: Request, name: str, *args: Any) -> Any:
-    """The model's ``name`` check (its guide's) on the request's source, opened fresh."""
+def _check(req: Request, name: str, *args: Any, source: Any = None) -> Any:
+    """The model's ``name`` check (its guide's) on the request's source, opened fresh (or ``source``)."""
     model = req.load_model()
     if (check := getattr(model.guide, name, None)) is None:
         raise K3LabError(f"{model.name}: has no {name.replace('_', '-')}")
-    with opened_source(req) as source:
-        return check(source, *args)
+    with contextlib.nullcontext(source) if source is not None else opened_source(req) as opened:
+        return check(opened, *args)
 
 
 def batch(

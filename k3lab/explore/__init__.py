@@ -10,17 +10,27 @@ the same request as the CLI), ``layouts`` (01), ``scales`` (02, 03), ``vision`` 
 from __future__ import annotations
 
 from k3lab.explore.layouts import derive_tensor, first_mxfp4_layer, output_file, planned_by_source, shard_rows
-from k3lab.explore.opening import convert, ensure_demo, fetched, open_checkpoint, open_conversion, source_spec
+from k3lab.explore.opening import (
+    check_vision,
+    convert,
+    ensure_demo,
+    fetched,
+    make_mmproj,
+    open_checkpoint,
+    open_conversion,
+    source_spec,
+)
 from k3lab.explore.paths import HOME_ENV, home, resolve, save_result
 from k3lab.explore.sets import manifest_summary, repo_summary, verify
 from k3lab.explore.tables import html_table
 from k3lab.kimi_k3.explore.scales import PROJ_NAMES, ScaleStats, expert_codes, first_block, scale_stats
-from k3lab.kimi_k3.explore.vision import tokenize_with_merges, vision_blocks, weight_stats
+from k3lab.kimi_k3.explore.vision import image_way_in, tokenize_with_merges, vision_blocks, weight_stats
 
 __all__ = [
     "HOME_ENV",
     "PROJ_NAMES",
     "ScaleStats",
+    "check_vision",
     "convert",
     "derive_tensor",
     "ensure_demo",
@@ -29,7 +39,9 @@ __all__ = [
     "first_block",
     "first_mxfp4_layer",
     "home",
+    "image_way_in",
     "html_table",
+    "make_mmproj",
     "manifest_summary",
     "open_checkpoint",
     "open_conversion",

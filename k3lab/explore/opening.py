@@ -83,6 +83,30 @@ def open_checkpoint(
     return req.load_model().load_config(Path(req.meta)), source
 
 
+def make_mmproj(
+    meta: str | Path, out: str | Path, repo: str | None = None, revision: str | None = None
+) -> Path:
+    """The checkpoint's vision mmproj at ``out``, as ``k3lab vision`` writes it (made when missing)."""
+    out = Path(out)
+    if not out.exists():
+        request.vision(_request(meta, meta, repo, revision), str(out))
+    return out
+
+
+def check_vision(
+    meta: str | Path,
+    mmproj: str | Path,
+    image: str | Path | None = None,
+    repo: str | None = None,
+    revision: str | None = None,
+    source: Any = None,
+) -> Any:
+    """``k3lab check-vision`` on ``image`` (default: the sample the package ships); ``source``: the
+    notebook's open one (what the check reads then counts with the rest)."""
+    req = _request(meta, meta, repo, revision)
+    return request.check_vision(req, str(mmproj), None if image is None else str(image), source=source)
+
+
 def ensure_demo(folder: str | Path, model: str = "kimi-k3") -> Path:
     """The model's small synthetic checkpoint in ``folder`` (what `k3lab demo` writes), made when it
     is missing: a notebook run with no checkpoint of its own looks at this one."""

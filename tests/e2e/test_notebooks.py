@@ -101,11 +101,21 @@ def test_03_convert_shard(tiny_src: Path, tiny_one: Path, tmp_path: Path) -> Non
 
 def test_04_vision_and_tokenizer(tiny_src: Path, tmp_path: Path) -> None:
     out = run_notebook(
-        "04-vision-and-tokenizer.ipynb", tmp_path, src=str(tiny_src), text="the quick brown fox"
+        "04-vision-and-tokenizer.ipynb",
+        tmp_path,
+        src=str(tiny_src),
+        text="the quick brown fox",
+        mmproj_dir=str(tmp_path / "vision"),
     )
     r = result_of(out)
     assert r["blocks"] == 2 and r["parameters"] == 2 * (64 * 2 + 192 * 64 + 64 * 64 + 2 * 256 * 64)
-    assert r["ids"] and r["bytes_per_token"] > 2 and images_of(out) == 1
+    assert r["ids"] and r["bytes_per_token"] > 2 and images_of(out) == 3  # spread, image, stages
+    # the sample (200 x 150) padded to 224 x 168: 12 x 16 patches, 48 tokens; every stage agrees
+    assert (r["image_grid"], r["image_tokens"]) == ([12, 16], 48)
+    assert r["prompt"] == "<|media_begin|>image 200x150<|media_content|><|media_pad|><|media_end|>"
+    stages = ["patch embed", "position table", "block 0", "block 1", "final norm", "merge", "projector"]
+    assert r["stages"] == [[s, True] for s in stages]
+    assert (tmp_path / "vision" / "mmproj-Kimi-K3.gguf").is_file()
 
 
 def test_05_verify_a_run(tiny_out: Path, tmp_path: Path) -> None:

@@ -126,12 +126,32 @@ def test_notebooks_03_and_04_on_the_hub_read_what_they_show(
         src=str(tmp_path / "meta"),
         repo=REPO,
         sample_rows=2,
+        check=False,
     )
-    local = _run("04-vision-and-tokenizer.ipynb", tmp_path / "l", src=str(tiny_src))
+    local = _run(
+        "04-vision-and-tokenizer.ipynb", tmp_path / "l", src=str(tiny_src), mmproj_dir=str(tmp_path / "lv")
+    )
     assert r4["parameters"] == local["parameters"] and r4["ids"] == local["ids"]
-    assert (
-        0 < r4["fetched"] < sum(p.stat().st_size for p in tiny_src.glob("model-0001[01]-*.safetensors")) / 4
+    assert r4["image_tokens"] == local["image_tokens"] and r4["prompt"] == local["prompt"]
+    tower = _tensor_bytes(
+        tiny_src,
+        [
+            n
+            for n in json.loads((tiny_src / INDEX).read_text())["weight_map"]
+            if n.startswith(("vision_tower.", "mm_projector."))
+        ],
     )
+    assert 0 < r4["fetched"] < tower / 4  # the spread of two rows per tensor
+    # the stage check on the Hub: the whole tower read once by ranges (and its headers), all agreeing
+    r5 = _run(
+        "04-vision-and-tokenizer.ipynb",
+        tmp_path / "c",
+        src=str(tmp_path / "meta5"),
+        repo=REPO,
+        mmproj_dir=str(tmp_path / "cv"),
+    )
+    assert r5["stages"] == local["stages"] and all(ok for _, ok in r5["stages"])
+    assert tower <= r5["fetched"] < tower + (1 << 20)
 
 
 # --- a GGUF set on the Hub ---------------------------------------------------------------------------

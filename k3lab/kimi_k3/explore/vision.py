@@ -1,4 +1,5 @@
-"""The vision tower block by block, and the tokenizer token by token (notebook 04)."""
+"""The vision tower block by block, an image on its way in, and the tokenizer token by token
+(notebook 04)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,46 @@ def vision_blocks(cfg: K3Config, source: Source, sample_rows: int | None = None)
             }
         )
     return rows
+
+
+def image_way_in(cfg: K3Config, meta: str | Path, image: Any = None) -> dict[str, Any]:
+    """What the tower makes of ``image`` (default: the package's sample) before any weight: the
+    image as Moonshot's processor resizes and pads it, its patch grid, the merged tokens and the
+    prompt it becomes (the text, and the positions the model sees)."""
+    from k3lab.kimi_k3.check_vision import SAMPLE_IMAGE, image_prompt, tower
+    from k3lab.kimi_k3.vision_ref import preprocess
+
+    t = tower(cfg, meta)
+    img = preprocess(image if image is not None else SAMPLE_IMAGE, t)
+    (w, h), (rw, rh), (pw, ph) = img.original, img.resized, img.padded
+    gh, gw = img.grid
+    steps = [
+        {"step": "given", "size": f"{w} x {h}", "why": ""},
+        {
+            "step": "resized",
+            "size": f"{rw} x {rh}",
+            "why": f"at most {t.in_patch_limit} patches of {t.patch} px",
+        },
+        {
+            "step": "padded",
+            "size": f"{pw} x {ph}",
+            "why": f"black, to multiples of {t.patch * t.merge[0]} px",
+        },
+        {"step": "patches", "size": f"{gw} x {gh}", "why": f"{gw * gh} patches of {t.patch} x {t.patch}"},
+        {
+            "step": "merged tokens",
+            "size": f"{gw // t.merge[1]} x {gh // t.merge[0]}",
+            "why": f"{img.tokens} tokens",
+        },
+    ]
+    head = f"<|media_begin|>image {w}x{h}<|media_content|>"
+    return {
+        "image": img,
+        "tower": t,
+        "steps": steps,
+        "prompt": image_prompt(img),
+        "sequence": f"{head} + {img.tokens} x <|media_pad|> + <|media_end|>",
+    }
 
 
 def tokenize_with_merges(meta: str | Path, text: str) -> dict[str, Any]:
