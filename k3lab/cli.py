@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from k3lab import request, values
+from k3lab import __version__, request, values
 from k3lab.errors import K3LabError
 from k3lab.request import Request
 
@@ -124,7 +124,10 @@ SOURCE_FLAGS = {
     "--src": dict(help="folder with the safetensors shards (default: --meta)"),
     "--repo": dict(type=REPO, help="stream from this Hub repo (e.g. moonshotai/Kimi-K3) instead of --src"),
     "--revision": dict(help="branch, tag or commit of --repo (default: main)"),
-    "--scratch": dict(help="where --repo downloads shards (default: OUT_DIR/.k3lab/scratch)"),
+    "--scratch": dict(
+        help="where --repo downloads shards (default: OUT_DIR/.k3lab/scratch; without an output folder, "
+        "a temporary folder removed at the end)"
+    ),
     "--keep-source": dict(action="store_true", help="keep downloaded shards in --scratch"),
     "--retry-budget": dict(
         type=SECONDS, metavar="S", help="how long the Hub may fail in a row (default 900)"
@@ -153,6 +156,23 @@ PUSH_FLAGS = {
 }
 
 
+EXAMPLES = {  # one a user can run from a fresh clone after `k3lab demo` (tests run each verbatim)
+    "synth": "k3lab synth --preset tiny --out k3-tiny",
+    "tokenizer": "k3lab tokenizer --meta k3-demo/src --out k3-demo/Kimi-K3-tokenizer.gguf",
+    "plan": "k3lab plan --meta k3-demo/src",
+    "convert": "k3lab convert --meta k3-demo/src --out-dir k3-demo/out",
+    "publish": "k3lab publish k3-demo/out your-name/Kimi-K3-GGUF",
+    "batch": "k3lab batch --meta k3-demo/src --out-dir k3-demo/out",
+    "vision": "k3lab vision --meta k3-demo/src --out k3-demo/out/mmproj-Kimi-K3-BF16.gguf",
+    "check-logits": "k3lab check-logits --meta k3-demo/src --gguf k3-demo/out/Kimi-K3-8x1.9M-MXFP4.gguf",
+    "check-vision": "k3lab check-vision --meta k3-demo/src --mmproj k3-demo/out/mmproj-Kimi-K3-BF16.gguf",
+    "verify": "k3lab verify k3-demo/out --src k3-demo/src",
+    "lab": "k3lab lab",
+    "tensor-map": "k3lab tensor-map > TENSOR_MAP.md",
+    "demo": "k3lab demo",
+}
+
+
 def _flags(p: argparse.ArgumentParser, *tables: dict[str, dict], **required: bool) -> None:
     for table in tables:
         for flag, kw in table.items():
@@ -160,13 +180,18 @@ def _flags(p: argparse.ArgumentParser, *tables: dict[str, dict], **required: boo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="k3lab", description="Kimi-K3 to GGUF, losslessly and shard by shard; and a look inside."
-    )
+    p = _Parser(prog="k3lab", description="Kimi-K3 to GGUF, losslessly, file by file; and a look inside.")
+    p.add_argument("--version", action="version", version=f"k3lab {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     def command(name: str, func: Callable, help: str, model: bool = True) -> argparse.ArgumentParser:
-        c = sub.add_parser(name, help=help)
+        c = sub.add_parser(
+            name,
+            help=help,
+            description=help[0].upper() + help[1:] + ".",
+            epilog="example:\n  " + EXAMPLES[name],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         c.set_defaults(func=func)
         if model:
             c.add_argument("--model", default="kimi-k3", help="kimi-k3 (default), or a module with a MODEL")
@@ -187,9 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
         "at the real expert size (300 MB); full: the real 93-layer model, headers only (data as holes)",
     )
     s.add_argument("--out", required=True, help="output folder")
-    s.add_argument("--seed", type=SEED, default=0)
+    s.add_argument("--seed", type=SEED, default=0, help="the values' seed: the same seed, the same bytes")
     s.add_argument("--experts", type=EXPERTS, help="override the number of routed experts")
-    s.add_argument("--draw", choices=["trained", "normal", "fan-in", "near-ties"], default="trained")
+    s.add_argument(
+        "--draw",
+        choices=["trained", "normal", "fan-in", "near-ties"],
+        default="trained",
+        help="how values are drawn: like a trained model's (default), N(0, 1), N(0, 1/fan-in), or "
+        "router scores in near ties",
+    )
     s.add_argument(
         "--layout",
         metavar="moonshot|one-file|by-size:BYTES",
@@ -209,9 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--jobs", type=JOBS, default=1, help="for the disk and memory forecast")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
 
-    c = command("convert", _convert, "convert the text model to a GGUF split set, shard by shard")
+    c = command(
+        "convert",
+        _convert,
+        "the text model to GGUF, output file by output file (one file when the set fits in 50G)",
+    )
     _flags(c, SOURCE_FLAGS, RUN_FLAGS, PUSH_FLAGS, meta=True)
-    c.add_argument("--out-dir", required=True)
+    c.add_argument("--out-dir", required=True, help="the output folder (made if missing; resumable)")
     c.add_argument("--files", "--shards", dest="shards", metavar="LIST", help=FILES_HELP)
     c.add_argument("--jobs", type=JOBS, default=1, help="output files converted in parallel processes")
     c.add_argument("--force", action="store_true", help="redo complete files; replace another set's")
@@ -227,17 +262,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     pu = command("publish", _publish, "push a converted set (and its mmproj, tokenizer) to a Hub repo")
     pu.add_argument("out_dir", help="the output folder of a conversion")
-    pu.add_argument("push_to", metavar="ORG/NAME", type=REPO)
+    pu.add_argument("push_to", metavar="ORG/NAME", type=REPO, help="the Hub repo (made if missing)")
     pu.add_argument("--force", action="store_true", help="replace another set, or files k3lab did not make")
     _flags(pu, {"--retry-budget": SOURCE_FLAGS["--retry-budget"]}, PUSH_FLAGS)
     pu.set_defaults(keep_local=True)
 
     default_nb = Path(__file__).resolve().parent.parent / "notebooks" / "03-convert-shard.ipynb"
-    b = command("batch", _batch, "run a notebook once per shard with papermill, on Dask")
+    b = command("batch", _batch, "run a notebook once per output file with papermill, on Dask")
     b.add_argument("--notebook", default=str(default_nb), help="default: notebooks/03-convert-shard.ipynb")
     _flags(b, {k: SOURCE_FLAGS[k] for k in ("--meta", "--src")}, meta=True)
     _flags(b, {k: RUN_FLAGS[k] for k in ("--split-max-size", "--split-max-tensors")})
-    b.add_argument("--out-dir", required=True)
+    b.add_argument("--out-dir", required=True, help="the output folder the notebooks convert into")
     b.add_argument("--files", "--shards", dest="shards", metavar="LIST", help=FILES_HELP)
     b.add_argument("--scheduler", help="address of a running Dask scheduler (default: a LocalCluster)")
     b.add_argument("--workers", type=JOBS, default=2, help="LocalCluster worker processes")
@@ -286,10 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--threshold", type=POSITIVE, default=1e-4, help="largest relative error per stage")
 
     v = command(
-        "verify", _verify, "check a set (a folder, or ORG/NAME on the Hub) against its manifest, source"
+        "verify",
+        _verify,
+        "check a set (a folder, or ORG/NAME on the Hub) against its manifest and, given one, its source",
     )
-    v.add_argument("out_dir", metavar="OUT_DIR|ORG/NAME")
-    v.add_argument("--manifest", help="default: OUT_DIR/MANIFEST.json")
+    v.add_argument("out_dir", metavar="OUT_DIR|ORG/NAME", help="a converted folder, or a set on the Hub")
+    v.add_argument("--manifest", help="the manifest to check against (default: OUT_DIR/MANIFEST.json)")
     _flags(v, SOURCE_FLAGS)  # with --src or --repo: re-derive every tensor from it
     v.add_argument(
         "--source-revision", help="with ORG/NAME: the revision of --repo (--revision is the set's)"
@@ -298,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--sample", type=SAMPLE, help="N random tensors per file (of 16 MiB or less)")
     v.add_argument("--tensors", metavar="GLOB", help="the tensors whose names match GLOB")
     v.add_argument("--seed", type=SEED, help="the sample's seed (default: random, printed)")
-    v.add_argument("--quiet", action="store_true")
+    v.add_argument("--quiet", action="store_true", help="no progress bar")
 
     lb = command("lab", _front("k3lab.lab", "lab_cli"), "JupyterLab on the notebooks (saved without outputs)")
     lb.set_defaults(passes_unknown=True)  # other arguments go to `jupyter lab` as they are
@@ -313,8 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", _front("k3lab.demo", "demo_command"), "the main job, end to end, on the built-in tiny model"
     )
     d.add_argument("--workdir", default="k3-demo", help="where the demo writes (default: ./k3-demo)")
-    d.add_argument("--seed", type=SEED, default=0)
-    d.add_argument("--jobs", type=JOBS, default=2)
+    d.add_argument("--seed", type=SEED, default=0, help="the synthetic checkpoint's seed (default 0)")
+    d.add_argument("--jobs", type=JOBS, default=2, help="output files converted in parallel (default 2)")
     return p
 
 

@@ -263,12 +263,11 @@ def verify(
     from k3lab.pipeline.checking.verify import verify as verify_set
 
     remote = bool(req.out_dir) and values.is_repo(req.out_dir or "")
-    if source_revision is not None and not remote:
-        raise K3LabError("--source-revision is for verifying a set on the Hub (ORG/NAME): give --revision")
+    values.verify_choice(remote, req.revision, req.repo, source_revision, every, sample, tensors, seed)
     set_revision = req.revision if remote else None
     if remote:
         req = dataclasses.replace(req, revision=source_revision)
-    rederive = req.src is not None or req.repo is not None
+    rederive = req.src is not None or req.repo is not None or req.meta is not None  # (--src: --meta)
     if rederive and req.meta is None:
         if req.repo:
             raise K3LabError("--repo needs --meta (a folder for the config, index and tokenizer files)")

@@ -131,3 +131,29 @@ def output_files(chosen: str | None, n: int) -> list[int]:
 def is_repo(target: str) -> bool:
     """Whether ``verify``'s target is a Hub repo (``ORG/NAME`` that is no local folder)."""
     return not Path(target).exists() and bool(REPO_ID.fullmatch(target))
+
+
+def verify_choice(
+    remote: bool,
+    revision: str | None,
+    repo: str | None,
+    source_revision: str | None,
+    every: bool,
+    sample: int | None,
+    tensors: str | None,
+    seed: int | None,
+) -> None:
+    """``verify``'s flags that cannot go together, or do not apply to what it checks: one line."""
+    if source_revision is not None and not remote:
+        raise K3LabError("--source-revision is for verifying a set on the Hub (ORG/NAME): give --revision")
+    if revision is not None and not remote and repo is None:
+        raise K3LabError(
+            "--revision is for a set on the Hub (ORG/NAME) or a source on it (--repo); a folder has none"
+        )
+    picked = [
+        flag for flag, given in (("--all", every), ("--sample", sample), ("--tensors", tensors)) if given
+    ]
+    if len(picked) > 1:
+        raise K3LabError(f"{' and '.join(picked)} each say which tensors to check: give one")
+    if seed is not None and not sample:
+        raise K3LabError("--seed is the seed of --sample's choice: it needs --sample")

@@ -212,6 +212,7 @@ def build_plan(
             f"{weight_map[unused[0]]}: tensor {unused[0]} is not used by any rule (k3lab never drops "
             "a tensor silently)"
         )
+    _check_outtype(outtype, [t for _, ts, _ in planned for t in ts], source)
     groups = group_units([(sum(t.nbytes for t in ts), len(ts)) for _, ts, _ in planned], split)
     files: list[PlannedFile] = []
     for group in groups:
@@ -237,6 +238,22 @@ def build_plan(
     for f in files:
         f.digest = file_digest(plan, f)
     return plan
+
+
+def _check_outtype(outtype: str, tensors: list[PlannedTensor], source: Any) -> None:
+    """An ``--outtype`` that would change nothing is refused: with MXFP4 tensors (which stay MXFP4:
+    k3lab never dequantises), asking for the type the float tensors already have makes the default's
+    file, named for its MXFP4, where the user asked for something else."""
+    packed = sum(t.info.type == GGMLQuantizationType.MXFP4 for t in tensors)
+    floats = [t for t in tensors if t.info.type != GGMLQuantizationType.MXFP4 and t.rule.dtype == "keep"]
+    if outtype == "auto" or not packed:
+        return
+    if all(source.entry(t.sources[0]).dtype == outtype.upper() for t in floats):
+        raise PlanError(
+            f"--outtype {outtype}: the checkpoint's float tensors are {outtype.upper()} already and its "
+            f"{packed} MXFP4 tensors stay MXFP4 (k3lab never dequantises): the file would be the "
+            "default's; leave --outtype out"
+        )
 
 
 def _check_counts(cfg: Any, text_names: list[str]) -> None:

@@ -1,0 +1,102 @@
+"""The first hour, as a newcomer meets it: help that teaches (a description, an example that runs,
+help on every option), `--version`, and flags that do not apply to what was asked refused in one
+line naming them."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+
+import pytest
+import tomllib
+from conftest import ROOT, run_cli
+
+from k3lab import __version__
+from k3lab.cli import EXAMPLES, build_parser, main
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def test_every_subcommand_says_what_it_does_with_an_example_and_every_option_has_help() -> None:
+    commands = _subcommands()
+    assert set(commands) == set(EXAMPLES)
+    for name, p in commands.items():
+        assert p.description and p.description.endswith("."), name
+        assert p.epilog == "example:\n  " + EXAMPLES[name] and EXAMPLES[name].startswith(f"k3lab {name}")
+        for action in p._actions:
+            if action.dest != "help":
+                assert action.help, f"k3lab {name} {'/'.join(action.option_strings) or action.dest}: no help"
+
+
+def test_version_is_the_packages() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    done = run_cli(None, "--version")
+    assert (
+        done.returncode == 0
+        and done.stdout.strip() == f"k3lab {__version__}" == f"k3lab {project['version']}"
+    )
+
+
+def test_the_examples_run_verbatim_after_the_demo(tmp_path: Path) -> None:
+    """Each subcommand's example, from a fresh folder where `k3lab demo` ran (those that need the Hub,
+    a browser, llama.cpp or minutes of notebooks aside)."""
+    assert run_cli(None, "demo", cwd=tmp_path, timeout=600).returncode == 0
+    skip = {"publish", "lab", "batch", "check-logits", "demo"}
+    for name, example in EXAMPLES.items():
+        if name in skip:
+            continue
+        args = shlex.split(example.split(" > ")[0])[1:]
+        if name == "convert":
+            args += ["--force"]  # (the demo's set is there: made again)
+        done = run_cli(None, *args, cwd=tmp_path, timeout=600)
+        assert done.returncode == 0, (example, done.stderr[-600:])
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--revision", "v1"], "--revision is for a set on the Hub (ORG/NAME) or a source on it (--repo)"),
+        (["--sample", "2", "--all"], "--all and --sample each say which tensors to check: give one"),
+        (["--sample", "1", "--tensors", "blk.*"], "--sample and --tensors each say which tensors to check"),
+        (["--all", "--tensors", "blk.*"], "--all and --tensors each say which tensors to check"),
+        (["--seed", "3"], "--seed is the seed of --sample's choice: it needs --sample"),
+        (["--source-revision", "v1"], "--source-revision is for verifying a set on the Hub (ORG/NAME)"),
+    ],
+)
+def test_verify_flags_that_do_not_apply_are_refused(tiny_one: Path, flags: list[str], said: str) -> None:
+    done = run_cli(None, "verify", str(tiny_one), *flags)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"k3lab: error: {said}"), (
+        done.stderr
+    )
+
+
+def test_verify_with_meta_alone_re_derives(tiny_src: Path, tiny_one: Path) -> None:
+    """--src defaults to --meta in every command: in verify too, so --meta alone re-derives."""
+    done = run_cli(None, "verify", str(tiny_one), "--meta", str(tiny_src), "--quiet")
+    assert done.returncode == 0 and "re-derived from the source" in done.stdout, done.stdout + done.stderr
+
+
+def test_an_outtype_that_would_change_nothing_is_refused(
+    tiny_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On an MXFP4 checkpoint whose float tensors are BF16, --outtype bf16 would make the default's
+    file, named for its MXFP4: refused, nothing written; --outtype f32 widens the float tensors."""
+    out = tmp_path / "out"
+    assert (
+        main(["convert", "--meta", str(tiny_src), "--out-dir", str(out), "--outtype", "bf16", "--quiet"]) == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "k3lab: error: --outtype bf16: the checkpoint's float tensors are BF16 already and its 21 MXFP4 "
+        "tensors stay MXFP4 (k3lab never dequantises): the file would be the default's; leave --outtype out"
+    )
+    assert not out.exists() or not any(out.iterdir())
+    assert (
+        main(["convert", "--meta", str(tiny_src), "--out-dir", str(out), "--outtype", "f32", "--quiet"]) == 0
+    )
