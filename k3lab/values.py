@@ -129,8 +129,18 @@ def output_files(chosen: str | None, n: int) -> list[int]:
 
 
 def is_repo(target: str) -> bool:
-    """Whether ``verify``'s target is a Hub repo (``ORG/NAME`` that is no local folder)."""
-    return not Path(target).exists() and bool(REPO_ID.fullmatch(target))
+    """Whether ``verify``'s target is a Hub repo (``ORG/NAME`` that is no local folder). ORG/NAME
+    where ORG is a local folder can only be a misspelt path: one line, naming what is there."""
+    path = Path(target)
+    if path.exists() or not REPO_ID.fullmatch(target):
+        return False
+    if path.parent.is_dir() and not path.parent.is_symlink():
+        there = sorted(p.name for p in list(path.parent.iterdir())[:1000] if p.is_dir())[:8]
+        raise K3LabError(
+            f"{target}: no such folder ({path.parent}/ holds {', '.join(there) or 'no folders'}); "
+            "a set on the Hub is ORG/NAME where no folder ORG is here"
+        )
+    return True
 
 
 def verify_choice(

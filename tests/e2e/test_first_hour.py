@@ -100,3 +100,31 @@ def test_an_outtype_that_would_change_nothing_is_refused(
     assert (
         main(["convert", "--meta", str(tiny_src), "--out-dir", str(out), "--outtype", "f32", "--quiet"]) == 0
     )
+
+
+def test_a_misspelt_folder_or_an_unreachable_hub_is_one_line_at_once(tmp_path: Path) -> None:
+    """Not a 15-minute silence of retries: a name that can only be a misspelt path says what is there;
+    a Hub whose name does not resolve, or where nothing listens, is one line on the first try (the
+    run's timeout, a minute, is far below the retry budget of 900 s)."""
+    import os
+
+    (tmp_path / "k3-demo" / "out").mkdir(parents=True)
+    (tmp_path / "k3-demo" / "src").mkdir()
+    done = run_cli(None, "verify", "k3-demo/ot", cwd=tmp_path, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip() == (
+        "k3lab: error: k3-demo/ot: no such folder (k3-demo/ holds out, src); a set on the Hub is ORG/NAME "
+        "where no folder ORG is here"
+    )
+    for endpoint, why in (
+        ("http://no-such-host.invalid", "Name or service not known"),
+        ("http://127.0.0.1:9", "Connection refused"),
+    ):
+        env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "0"}
+        for args in (
+            ["verify", "someone/Kimi-K3-GGUF"],
+            ["plan", "--meta", str(tmp_path / "m"), "--repo", "moonshotai/Kimi-K3"],
+        ):
+            done = run_cli(env, *args, cwd=tmp_path, timeout=60)
+            lines = done.stderr.strip().splitlines()
+            assert done.returncode == 1 and len(lines) == 1, (endpoint, args, done.stderr)
+            assert "no Hub reachable" in lines[0] and why in lines[0] and "HF_ENDPOINT" in lines[0], lines[0]

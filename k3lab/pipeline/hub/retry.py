@@ -66,6 +66,28 @@ def _one_transient(e: BaseException) -> bool:
     return isinstance(e, OSError) and "Consistency check failed" in str(e)  # a transfer cut short
 
 
+NEVER_THERE = re.compile(
+    r"Name or service not known|Temporary failure in name resolution|nodename nor servname|"
+    r"getaddrinfo failed|No address associated with hostname|Connection refused|Errno 111\b"
+)
+
+
+def never_reached(e: BaseException) -> bool:
+    """A failure to find or reach a host that has not answered this process once: a misspelt
+    endpoint, no network, nothing listening. Not worth a budget of retries: said at once."""
+    from k3lab.pipeline.hub.transport import ANSWERED
+
+    chain, seen = [e], 0
+    while chain[-1].__cause__ is not None and seen < 8:
+        chain.append(chain[-1].__cause__)
+        seen += 1
+    if not any(NEVER_THERE.search(str(x)[:2000]) for x in chain):
+        return False
+    request = getattr(e, "request", None)
+    host = getattr(getattr(request, "url", None), "host", None) if request is not None else None
+    return not ANSWERED if host is None else host not in ANSWERED
+
+
 def _is_http(e: BaseException) -> bool:
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -113,6 +135,10 @@ def with_retries(
         except (Cancelled, K3LabError):
             raise
         except Exception as e:
+            if never_reached(e):
+                raise HubUnreachable(
+                    f"{what}: no Hub reachable ({_reason(e)[:160]}); check the network and HF_ENDPOINT"
+                ) from None
             if not is_transient(e):
                 if isinstance(e, OSError) and _status(e) is None and not _is_http(e):
                     raise MachineError(f"{what}: {_reason(e)}") from None  # the machine's: a disk, a folder

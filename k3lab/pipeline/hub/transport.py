@@ -101,6 +101,11 @@ class _Watched(httpx2.SyncByteStream):
             close()
 
 
+ANSWERED: set[str] = (
+    set()
+)  # the hosts that have answered this process (a failure to reach one since: the network's)
+
+
 class BoundedTransport(httpx2.BaseTransport):
     """huggingface_hub's transport with a timeout on every request and every body watched."""
 
@@ -114,6 +119,7 @@ class BoundedTransport(httpx2.BaseTransport):
                 timeout[key] = value
         request.extensions = {**request.extensions, "timeout": timeout}
         response = self.inner.handle_request(request)
+        ANSWERED.add(request.url.host)
         limit = _length(response)
         if limit is None and "/api/" in request.url.path:
             limit = API_LIMIT
