@@ -4,12 +4,13 @@ Every function reads a checkpoint (or a converted set) and returns rows, arrays 
 live in ``plots.py`` and the story in ``notebooks/``. One module per job: ``paths`` (where a
 notebook's paths start, where it writes its result), ``opening`` (a checkpoint and its plan, through
 the same request as the CLI), ``layouts`` (01), ``scales`` (02, 03), ``vision`` (04), ``sets``
-(05), ``tables`` (HTML tables). A notebook imports ``k3lab.explore`` and finds them all here.
+(05), ``tables`` (HTML tables), ``live`` (controls and the view they drive). A notebook imports ``k3lab.explore`` and finds them all here.
 """
 
 from __future__ import annotations
 
 from k3lab.explore.layouts import derive_tensor, first_mxfp4_layer, output_file, planned_by_source, shard_rows
+from k3lab.explore.live import live_view
 from k3lab.explore.opening import (
     check_vision,
     convert,
@@ -40,6 +41,7 @@ __all__ = [
     "first_mxfp4_layer",
     "home",
     "image_way_in",
+    "live_view",
     "html_table",
     "make_mmproj",
     "manifest_summary",

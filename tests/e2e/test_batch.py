@@ -112,3 +112,34 @@ def test_convert_fans_out_on_an_existing_scheduler(tiny_src: Path, tiny_out: Pat
     assert json.loads((tmp_path / "MANIFEST.json").read_text()) == json.loads(
         (tiny_out / "MANIFEST.json").read_text()
     )
+
+
+def test_a_hung_kernel_is_one_line_and_the_others_go_on(tiny_src: Path, tmp_path: Path, capsys) -> None:
+    """A notebook whose cell never ends (file 2: a sleep) and one whose kernel stops answering at all
+    (file 3: SIGSTOP) are each stopped at the cell timeout and named, notebook and cell, in one line
+    (the notebook timeout is the bound behind it); file 1 converts; exit 1; the same command with the
+    hang gone converts what failed."""
+    import nbformat
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    at = next(k for k, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])) + 1
+    hang = "import os, signal, time\nif file == 2:\n    time.sleep(3600)\nif file == 3:\n    os.kill(os.getpid(), signal.SIGSTOP)"
+    nb.cells.insert(at, nbformat.v4.new_code_cell(hang))
+    hung = tmp_path / "03-hung.ipynb"
+    nbformat.write(nb, hung)
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    args = _batch_args(tiny_src, out, runs, "hung")
+    args[args.index("--notebook") + 1] = str(hung)
+    code = main([*args, "--files", "1-3", "--cell-timeout", "20", "--notebook-timeout", "60"])
+    text = capsys.readouterr().out
+    assert code == 1 and "1 ok, 2 failed" in text, text
+    lines = [line for line in text.splitlines() if "03-hung.ipynb: cell" in line]
+    assert len(lines) == 2, text
+    # (counted in the executed notebook, where papermill's injected parameters cell comes first)
+    said = f"03-hung.ipynb: cell {at + 2} ('import os, signal, time') ran past its 20 s; stopped"
+    assert all(line.endswith(said) for line in lines), lines
+    nb.cells[at].source = "pass"
+    nbformat.write(nb, hung)
+    args[args.index("--run-id") + 1] = "again"
+    assert main([*args, "--files", "1-3"]) == 0, capsys.readouterr()
+    assert "3 ok, 0 failed" in capsys.readouterr().out

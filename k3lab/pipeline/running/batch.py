@@ -136,15 +136,22 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _running_cell(output: str) -> str:
-    """Which cell was running when a notebook was stopped, from papermill's own record of it in the
-    executed notebook (``metadata.papermill.status``), as ``cell N (its first line)``."""
+    """Which cell was running when a notebook was stopped, from papermill's own record in the
+    executed notebook: the last cell it started (``metadata.papermill.start_time``; after a timeout
+    papermill marks every cell "completed", the stopped one included), as ``cell N (its first
+    line)``, N counted in that executed notebook (its injected parameters cell included)."""
     try:
         nb = json.loads(Path(output).read_text()[: 64 << 20])
-        for i, cell in enumerate(nb.get("cells", [])):
-            if cell.get("metadata", {}).get("papermill", {}).get("status") == "running":
-                first = "".join(cell.get("source", "")).strip().splitlines()[:1]
-                return f"cell {i + 1} ({first[0][:60]!r})" if first else f"cell {i + 1}"
-    except (OSError, ValueError, AttributeError):
+        started = [
+            (i, c)
+            for i, c in enumerate(nb.get("cells", []))
+            if (c.get("metadata", {}).get("papermill", {}) or {}).get("start_time")
+        ]
+        if started:
+            i, cell = started[-1]
+            first = "".join(cell.get("source", "")).strip().splitlines()[:1]
+            return f"cell {i + 1} ({first[0][:60]!r})" if first else f"cell {i + 1}"
+    except (OSError, ValueError, AttributeError, TypeError):
         pass
     return "a cell"
 
