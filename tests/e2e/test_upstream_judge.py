@@ -165,9 +165,12 @@ def test_upstream_agrees_on_moonshots_checkpoints_as_transformers_saves_them(
     from k3lab.kimi_k3.synth.presets import tiny_config
 
     python, vendor = judge
-    src = moonshot.save(
-        moonshot.build(tiny_config(), seed=7), tmp_path / "src", layout, tokenizer_from=tiny_src
-    )
+    # the classes make plain BF16 experts: saved so, the config says no quantization (upstream names
+    # the file type from a quantization_config, k3lab from the tensors: with one left in, only
+    # general.file_type would differ, 38 MXFP4_MOE there for a file without an MXFP4 tensor)
+    raw = tiny_config()
+    del raw["text_config"]["quantization_config"]
+    src = moonshot.save(moonshot.build(raw, seed=7), tmp_path / "src", layout, tokenizer_from=tiny_src)
     assert convert(src, tmp_path / "out", per_layer=False) == 0
     theirs = tmp_path / "upstream.gguf"
     cmd = [str(python), "-c", LAUNCHER, str(vendor), str(src), "--outfile", str(theirs), "--outtype", "bf16"]
