@@ -86,3 +86,16 @@ def run_cli(env: dict[str, str] | None, *args: str, timeout: float = 300, cwd: P
 def run_cli_fixture():
     """``run_cli`` for a test that takes it as a fixture."""
     return run_cli
+
+
+def wait_until(condition, timeout: float, step: float = 0.05) -> bool:
+    """Poll ``condition`` until it holds or ``timeout`` seconds pass (a deadline, never a fixed
+    sleep standing in for one): whether it held."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(step)
+    return True

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.browser
-from conftest import ROOT  # noqa: E402  (the repository)
+from conftest import ROOT, wait_until  # noqa: E402  (the repository)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
@@ -180,7 +180,10 @@ def test_a_person_runs_and_saves_each_notebook(lab, browser, name: str) -> None:
         ".every(c => c.model.executionCount !== null && c.model.sharedModel.execution_state !== 'running');",
         what="Run All to finish",
     )
-    time.sleep(1.0)  # widgets and images render
+    # widgets render: no "Loading widget" placeholder left (within a deadline, not a fixed pause)
+    wait_until(
+        lambda: "Loading widget" not in "\n".join(e.text for e in _here(d, ".jp-OutputArea-output")), 60, 0.2
+    )
     errors = d.execute_script(
         PANEL + " return w.content.widgets.filter(c => c.model.type === 'code').flatMap(c => "
         "c.model.outputs.toJSON().filter(o => o.output_type === 'error').map(o => o.ename + ': ' + o.evalue));"

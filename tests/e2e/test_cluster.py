@@ -40,10 +40,24 @@ def _env(hub: HubServer, tmp: Path) -> dict[str, str]:
 
 
 def _start(hub: HubServer, tmp: Path, *extra: str) -> subprocess.Popen:
-    """The client as a user runs it, in the background."""
+    """The client as a user runs it from a terminal, in the background of the test. With SIGINT as a
+    terminal leaves it: a test runner started in the background by a script without job control
+    (`make test &`, as CI may) passes SIGINT on ignored, and the client would then rightly ignore a
+    Ctrl-C (the cause of both Ctrl-C tests' rare exit 0 with nothing said)."""
     return subprocess.Popen(
-        _args(tmp, *extra), env=_env(hub, tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        _args(tmp, *extra),
+        env=_env(hub, tmp),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+
+
+def _signal(run: subprocess.Popen, sig: signal.Signals) -> None:
+    """``sig`` to a run that is still going (one that had finished would prove nothing)."""
+    assert run.poll() is None, f"the run ended (exit {run.returncode}) before the signal: slow it down"
+    run.send_signal(sig)
 
 
 def _args(tmp: Path, *extra: str) -> list[str]:
@@ -206,7 +220,7 @@ def test_stopping_the_client_stops_every_task(
         run = _start(hub, tmp_path, "--scheduler", cluster, "--quiet")
         while len({p for p, _ in hub.downloads()}) < 3:
             time.sleep(0.05)  # both workers busy, one file done or nearly
-        run.send_signal(sig)
+        _signal(run, sig)
         out, err = run.communicate(timeout=120)
         assert run.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143}[sig], err
         at_exit = _snapshot(tmp_path / "out")
@@ -377,7 +391,7 @@ def test_ctrl_c_while_a_worker_publishes_stops_its_uploads(
         run = _start(hub, tmp_path, *extra)
         while len(hub.uploads) < 2:
             time.sleep(0.05)
-        run.send_signal(signal.SIGINT)
+        _signal(run, signal.SIGINT)
         out, err = run.communicate(timeout=120)
         assert run.returncode == 130, err
         at_exit = (len(hub.uploads), hub.files_of(target, "main") if target in hub.repos else {})

@@ -273,7 +273,7 @@ def test_declared_dependencies_are_the_imported_ones() -> None:
     dists = {"distributed": "dask", "llama_cpp": "llama_cpp_python", "PIL": "pillow"}
     used = {dists.get(m, m).lower() for m in third} - {"llama_cpp_python"}  # (the optional binding)
     # what the notebooks and `k3lab lab` run on, never imported by k3lab itself
-    runtimes = {"ipykernel", "ipywidgets", "jupyterlab", "jupytext", "papermill"}  # (batch runs papermill)
+    runtimes = {"ipykernel", "jupyterlab", "jupytext", "papermill"}  # (batch runs papermill)
     assert used == declared - runtimes, used ^ declared
 
 

@@ -18,7 +18,7 @@ from conftest import ROOT
 PACKAGE = ROOT / "k3lab"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 MAX_LINES = 400
-GUIDE = ("k3lab.cli", "k3lab.request", "k3lab.demo", "k3lab.explore", "k3lab.lab", "k3lab.plots")
+FRONT = ("k3lab.cli", "k3lab.request", "k3lab.demo", "k3lab.explore", "k3lab.lab", "k3lab.plots")
 
 
 def _name(path: Path) -> str:
@@ -74,7 +74,7 @@ def test_the_pipeline_hands_the_front_no_way_back() -> None:
     for path in (PACKAGE / "pipeline").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module:
-                assert not node.module.startswith(GUIDE), (path, node.module)
+                assert not node.module.startswith(FRONT), (path, node.module)
     carriers = [
         ("k3lab.pipeline.running.task", "Task"),
         ("k3lab.pipeline.publishing.publish", "Publication"),
@@ -107,7 +107,7 @@ def test_the_runners_calls_stay_in_the_pipeline() -> None:
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 origin = imported.get(node.func.id, "")
-                assert not origin.startswith(GUIDE), (module, node.func.id, origin)
+                assert not origin.startswith(FRONT), (module, node.func.id, origin)
 
 
 def _state_calls(path: Path, functions: set[str] | None = None) -> list[str]:
