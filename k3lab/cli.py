@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from k3lab import __version__, request, values
-from k3lab.errors import K3LabError
+from k3lab.errors import K3LabError, printable
 from k3lab.request import Request
 
 
@@ -373,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(Request.of(args), args) or 0)
     except K3LabError as e:  # one line (a run with several failed files: one line each)
         for line in str(e).splitlines() or [type(e).__name__]:
-            print(f"k3lab: error: {line}", file=sys.stderr)
+            print(f"k3lab: error: {printable(line)}", file=sys.stderr)
         return e.exit_code
     except OSError as e:  # the machine's, not the input's: a full disk, a missing folder, a permission
         print(f"k3lab: error: {e}", file=sys.stderr)

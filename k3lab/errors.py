@@ -13,3 +13,20 @@ class MachineError(K3LabError):
     """The machine's problem, not the input's (a full disk): one line, exit 1."""
 
     exit_code = 1
+
+
+def printable(text: str) -> str:
+    """``text`` as it may reach a terminal: control and format characters (escape sequences, a
+    carriage return, bidirectional overrides, zero-width marks) written as escapes, so a name read
+    from a stranger's file says what it is and cannot rewrite the screen. Letters of any script stay."""
+    import unicodedata
+
+    if text.isprintable():
+        return text
+    out = []
+    for ch in text:
+        if ch == " " or unicodedata.category(ch) not in ("Cc", "Cf", "Co", "Cs", "Zl", "Zp"):
+            out.append(ch)
+        else:
+            out.append(ch.encode("unicode_escape").decode("ascii"))
+    return "".join(out)

@@ -169,6 +169,9 @@ class HubServer:
         self._down_until = 0.0
         self.dropped = 0  # connections dropped by an outage
         self.corrupt: set[str] = set()  # paths served with one byte flipped (their listing unchanged)
+        self.flip: dict[str, int] = {}  # paths whose ranged reads short of the end have this byte flipped
+        self.info_answer: tuple[bytes, dict[str, str]] | None = None  # (body, headers) of every listing
+        self.claims: dict[tuple[str, str], str] = {}  # (repo, path) -> the SHA-256 its listing claims
         files = load_files(root, large)
         self.repos: dict[str, tuple[dict[str, dict[str, bytes]], dict[str, str]]] = {repo: ({}, {})}
         self.blobs: dict[str, bytes] = {}  # LFS objects uploaded, by SHA-256
@@ -321,11 +324,25 @@ class HubServer:
         commit = self._resolve(h, repo, rev)
         if commit is None:
             return
+        if self.info_answer is not None:  # a hostile answer to the repo's listing
+            body, headers = self.info_answer
+            h.send_response(200)
+            for k, v in {
+                "Content-Type": "application/json",
+                "Content-Length": str(len(body)),
+                **headers,
+            }.items():
+                h.send_header(k, v)
+            h.end_headers()
+            if not head:
+                h.wfile.write(body)
+            return
         siblings = []
         for path, data in sorted(self.repos[repo][0][commit].items()):
             s = {"rfilename": path, "size": len(data), "blobId": git_blob_id(data)}
             if path.endswith(LFS_SUFFIXES):
-                s["lfs"] = {"size": len(data), "sha256": sha256_of(data), "pointerSize": 134}
+                sha = self.claims.get((repo, path)) or sha256_of(data)
+                s["lfs"] = {"size": len(data), "sha256": sha, "pointerSize": 134}
             siblings.append(s)
         body = json.dumps(
             {
@@ -417,9 +434,10 @@ class HubServer:
         h.end_headers()
         if head:
             return
-        if m["file"] in self.corrupt:
+        flip = m["file"] in self.flip and end < size - 1  # (a header's read, not a download)
+        if m["file"] in self.corrupt or flip:
             flipped = bytearray(data[:])
-            flipped[-1] ^= 0x01
+            flipped[self.flip.get(m["file"], -1)] ^= 0x01
             data = bytes(flipped)
         body = data if isinstance(data, FileBlob) else memoryview(data)
         body = _Window(body, start, end + 1)

@@ -17,7 +17,6 @@ import errno
 import hashlib
 import json
 import os
-import re
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -119,23 +118,70 @@ def read_text(path: str | os.PathLike, limit: int, what: str = "file") -> str:
 MAX_DEPTH = 32  # JSON k3lab reads nests 6 levels at most (a manifest); nothing real nests 32
 
 
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+# a JSON text k3lab reads from outside has at most this many values and objects: what Python makes
+# of it is then bounded (~100 bytes a value, ~250 an object: under 1.3 GB at worst), while Kimi-K3's
+# largest (the manifest of its set: ~500,000 source objects, ~2.5M values; its index: ~500,000
+# entries) fits with room
+MAX_ITEMS, MAX_OBJECTS = 8_000_000, 2_000_000
+
+
+SHAPE_STEP = 1 << 20  # bytes scanned at once by ``json_shape`` (its temporaries: ~40 bytes per byte)
+
+
+def json_shape(data: bytes) -> tuple[int, int, int]:
+    """(how deep brackets nest, how many commas separate values, how many objects open), strings
+    left out: counted in one
+    linear pass, a MiB at a time, with no regular expression and no recursion (json.loads recurses,
+    and a pattern for strings can be made to backtrack over every quote of crafted text: quadratic
+    time). A quote ends a string unless an odd run of backslashes precedes it."""
+    top = depth = commas = objects = 0
+    inside, run = 0, 0  # within a string after the bytes so far; backslashes ending them
+    for at in range(0, len(data), SHAPE_STEP):
+        b = np.frombuffer(data, dtype=np.uint8, count=min(SHAPE_STEP, len(data) - at), offset=at)
+        n = b.size
+        idx = np.arange(n, dtype=np.int64)
+        last_plain = np.maximum.accumulate(np.where(b != 0x5C, idx, -1))  # last non-backslash so far
+        before = np.empty(n, dtype=np.int64)  # backslashes right before each byte
+        before[0] = run
+        before[1:] = idx[:-1] - last_plain[:-1] + np.where(last_plain[:-1] < 0, run, 0)
+        real = (b == 0x22) & (before % 2 == 0)
+        flips = np.cumsum(real, dtype=np.int64) + inside
+        outside = ~(((flips % 2) == 1) | real)
+        steps = ((b == 0x7B) | (b == 0x5B)).astype(np.int64) - ((b == 0x7D) | (b == 0x5D))
+        levels = np.cumsum(np.where(outside, steps, 0)) + depth
+        top, depth = max(top, int(levels.max())), int(levels[-1])
+        commas += int(np.count_nonzero(outside & (b == 0x2C)))
+        objects += int(np.count_nonzero(outside & (b == 0x7B)))
+        inside = int(flips[-1] % 2)
+        run = int(n - 1 - last_plain[-1]) + (run if last_plain[-1] < 0 else 0)
+    return top, commas, objects
 
 
 def json_depth(data: bytes) -> int:
     """How deep brackets nest (strings left out), counted without recursion (json.loads recurses)."""
-    b = np.frombuffer(_JSON_STRING.sub(b"", data), dtype=np.uint8)
-    steps = (b == 0x7B).astype(np.int32) + (b == 0x5B) - (b == 0x7D) - (b == 0x5D)
-    return int(np.cumsum(steps).max()) if steps.size else 0
+    return json_shape(data)[0]
 
 
-def parse_json(data: bytes, where: str, max_depth: int = MAX_DEPTH, **kwargs: Any) -> Any:
-    """JSON from outside (a file, a Hub answer) with its depth bounded before it is parsed: anything
-    but valid UTF-8 JSON nesting at most ``max_depth`` levels is one ``InputFileError`` naming
-    ``where``."""
-    depth = json_depth(data)
+def parse_json(
+    data: bytes,
+    where: str,
+    max_depth: int = MAX_DEPTH,
+    max_items: int = MAX_ITEMS,
+    max_objects: int = MAX_OBJECTS,
+    **kwargs: Any,
+) -> Any:
+    """JSON from outside (a file, a Hub answer) with its shape bounded before it is parsed: anything
+    but valid UTF-8 JSON nesting at most ``max_depth`` levels, of at most ``max_items`` values, is one
+    ``InputFileError`` naming ``where`` (so memory is bounded by the items, not by what Python makes
+    of a text of millions of tiny objects)."""
+    depth, commas, objects = json_shape(data)
     if depth > max_depth:
         raise InputFileError(f"{where}: JSON nested {depth} levels deep; at most {max_depth} is expected")
+    if commas >= max_items or objects > max_objects:
+        raise InputFileError(
+            f"{where}: JSON of {commas + 1} values and {objects} objects; at most {max_items} and "
+            f"{max_objects} are expected"
+        )
     try:
         return json.loads(data.decode("utf-8"), **kwargs)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:

@@ -18,10 +18,17 @@ from typing import Any
 
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
 
-from k3lab.errors import K3LabError
+from k3lab.errors import K3LabError, printable
 
 MAGIC = b"GGUF"
-MAX_COUNT = 1 << 32  # tensors or keys in one file: far beyond any real one
+# bounds on what a header may hold, each far beyond a real one (Kimi-K3's first file: ~60 keys,
+# ~1,000 tensors, 330,000 vocabulary strings), so that parsing costs time in proportion to the
+# bytes read and a crafted header of millions of tiny keys is refused at once
+MAX_KEYS = 1 << 16
+MAX_TENSORS = 1 << 20
+MAX_ITEMS = 1 << 23  # strings and arrays inside arrays, over the whole header
+MAX_NESTING = 8  # arrays of arrays (llama.cpp reads none; gguf-py writes them)
+MAX_COUNT = 1 << 40  # scalars in one array (they are skipped by length, never one by one)
 MAX_DIMS = 8
 _SCALAR = {
     GGUFValueType.UINT8: "<B",
@@ -88,27 +95,74 @@ class _Cursor:
             raise GGUFHeaderError(f"a string of {n} bytes")
         return bytes(self.take(n)).decode("utf-8", errors="replace")
 
-    def skip_string(self) -> None:
-        self.take(self.unpack("<Q"))
-
-
-def _value(c: _Cursor, vtype: int, keep: bool) -> Any:
-    if vtype == GGUFValueType.STRING:
-        return c.string() if keep else c.skip_string()
-    if vtype == GGUFValueType.ARRAY:
-        itype, count = c.unpack("<I"), c.unpack("<Q")
-        if count > MAX_COUNT:
-            raise GGUFHeaderError(f"an array of {count} items")
-        if itype in _SCALAR:
-            c.take(count * struct.calcsize(_SCALAR[GGUFValueType(itype)]))
-            return None
+    def skip_strings(self, count: int) -> None:
+        """Walk past ``count`` strings (a vocabulary: the one loop that runs per item)."""
+        data, pos, end, unpack = self.data, self.pos, len(self.data), struct.unpack_from
         for _ in range(count):
-            _value(c, itype, False)
-        return None
+            if pos + 8 > end:
+                raise NeedMore(pos + 8)
+            pos += 8 + unpack("<Q", data, pos)[0]
+            if pos > end:
+                raise NeedMore(pos)
+        self.pos = pos
+
+
+def _scalar(c: _Cursor, vtype: int) -> Any:
     try:
         return c.unpack(_SCALAR[GGUFValueType(vtype)])
     except (KeyError, ValueError):
         raise GGUFHeaderError(f"value type {vtype} is not a GGUF type") from None
+
+
+class _Budget:
+    """Items walked one by one over a whole header (strings and arrays inside arrays)."""
+
+    def __init__(self) -> None:
+        self.left = MAX_ITEMS
+
+    def spend(self, n: int) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise GGUFHeaderError(
+                f"more than {MAX_ITEMS} strings and arrays inside arrays: not a real header"
+            )
+
+
+def _value(c: _Cursor, vtype: int, keep: bool, budget: _Budget) -> Any:
+    """A value read (``keep``) or walked past; arrays are walked with a stack of their own, never by
+    recursion (nesting is bounded by ``MAX_NESTING``, not by Python's stack)."""
+    if vtype == GGUFValueType.STRING:
+        return c.string() if keep else c.skip_strings(1)
+    if vtype != GGUFValueType.ARRAY:
+        return _scalar(c, vtype)
+    stack: list[tuple[int, int]] = []  # (item type, items left) of each array open
+    itype, count = _array_head(c)
+    stack.append((itype, count))
+    while stack:
+        itype, left = stack.pop()
+        if not left:
+            continue
+        if itype in _SCALAR:
+            c.take(left * struct.calcsize(_SCALAR[GGUFValueType(itype)]))
+        elif itype == GGUFValueType.STRING:
+            budget.spend(left)
+            c.skip_strings(left)
+        elif itype == GGUFValueType.ARRAY:
+            budget.spend(1)
+            stack.append((itype, left - 1))  # the rest of this array, after the one opening now
+            if len(stack) >= MAX_NESTING:
+                raise GGUFHeaderError(f"arrays nested more than {MAX_NESTING} deep")
+            stack.append(_array_head(c))
+        else:
+            raise GGUFHeaderError(f"value type {itype} is not a GGUF type")
+    return None
+
+
+def _array_head(c: _Cursor) -> tuple[int, int]:
+    itype, count = c.unpack("<I"), c.unpack("<Q")
+    if count > MAX_COUNT:
+        raise GGUFHeaderError(f"an array of {count} items")
+    return itype, count
 
 
 def parse(data: bytes | memoryview, keep: tuple[str, ...] = (), size: int | None = None) -> Header:
@@ -121,13 +175,16 @@ def parse(data: bytes | memoryview, keep: tuple[str, ...] = (), size: int | None
     if version not in (2, 3):
         raise GGUFHeaderError(f"GGUF version {version}; k3lab reads 2 and 3")
     n_tensors, n_kv = c.unpack("<Q"), c.unpack("<Q")
-    if n_tensors > MAX_COUNT or n_kv > MAX_COUNT:
-        raise GGUFHeaderError(f"{n_tensors} tensors and {n_kv} keys: not a real header")
+    if n_tensors > MAX_TENSORS or n_kv > MAX_KEYS:
+        raise GGUFHeaderError(
+            f"{n_tensors} tensors and {n_kv} keys: not a real header (at most {MAX_TENSORS} and {MAX_KEYS})"
+        )
     header = Header(version)
     wanted = set(keep) | {"general.alignment"}
+    budget = _Budget()
     for _ in range(n_kv):
         key = c.string()
-        value = _value(c, c.unpack("<I"), key in wanted)
+        value = _value(c, c.unpack("<I"), key in wanted, budget)
         if key in wanted:
             header.kvs[key] = value
     infos = []
@@ -135,19 +192,23 @@ def parse(data: bytes | memoryview, keep: tuple[str, ...] = (), size: int | None
         name = c.string()
         dims = c.unpack("<I")
         if dims > MAX_DIMS:
-            raise GGUFHeaderError(f"tensor {name}: {dims} dimensions")
+            raise GGUFHeaderError(f"tensor {printable(name)}: {dims} dimensions")
         ne = tuple(c.unpack("<Q") for _ in range(dims))
         gtype, offset = c.unpack("<I"), c.unpack("<Q")
         try:
             qtype = GGMLQuantizationType(gtype)
             block, per = GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
-            raise GGUFHeaderError(f"tensor {name}: GGML type {gtype} is not one gguf-py knows") from None
+            raise GGUFHeaderError(
+                f"tensor {printable(name)}: GGML type {gtype} is not one gguf-py knows"
+            ) from None
         elements = 1
         for n in ne:
             elements *= n
         if ne and ne[0] % block:
-            raise GGUFHeaderError(f"tensor {name}: {ne[0]} values do not fill {qtype.name} blocks of {block}")
+            raise GGUFHeaderError(
+                f"tensor {printable(name)}: {ne[0]} values do not fill {qtype.name} blocks of {block}"
+            )
         infos.append((name, qtype.name, ne, offset, elements // block * per))
     align = header.kvs.get("general.alignment") or GGUF_DEFAULT_ALIGNMENT
     if not isinstance(align, int) or align <= 0 or align & (align - 1):
@@ -156,6 +217,16 @@ def parse(data: bytes | memoryview, keep: tuple[str, ...] = (), size: int | None
     for name, qtype, ne, offset, nbytes in infos:
         start = header.data_start + offset
         if offset % align or (size is not None and start + nbytes > size):
-            raise GGUFHeaderError(f"tensor {name}: its bytes [{start}, {start + nbytes}) do not fit the file")
+            raise GGUFHeaderError(
+                f"tensor {printable(name)}: its bytes [{start}, {start + nbytes}) do not fit the file"
+            )
         header.tensors.append(TensorInfo(name, qtype, ne, start, nbytes))
+    # what a loader relies on: every tensor's bytes its own (sorted by start, each ends before the next)
+    by_start = sorted(header.tensors, key=lambda t: (t.offset, t.nbytes))
+    for before, after in zip(by_start, by_start[1:]):
+        if after.offset < before.offset + before.nbytes:
+            raise GGUFHeaderError(
+                f"tensor {printable(after.name)}: its bytes from {after.offset} overlap tensor "
+                f"{printable(before.name)}'s [{before.offset}, {before.offset + before.nbytes})"
+            )
     return header

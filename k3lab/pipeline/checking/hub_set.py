@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from k3lab.errors import K3LabError
-from k3lab.pipeline.checking.remote import Header, read_header, split_sets, tensor_pieces
+from k3lab.pipeline.checking.remote import SPLIT, Header, read_header, split_sets, tensor_pieces
 from k3lab.pipeline.checking.report import Report
 from k3lab.pipeline.hub import transport
 from k3lab.pipeline.hub.retry import RETRY_BUDGET, with_retries
@@ -179,10 +179,21 @@ def _manifest(files: RepoFiles) -> Manifest | None:
 
 
 def _check_structure(base: str, headers: list[Header], report: Report) -> None:
-    count = headers[0].split(SPLIT_COUNT) or len(headers)
+    """The split keys against each other, against the files' names and against the files present."""
+    said = headers[0].split(SPLIT_COUNT)
+    count = said if said is not None else len(headers)
     total = sum(len(h.tensors) for h in headers)
     if len(headers) != count:
         report.add("set", "", f"{base}: {len(headers)} files in the repo, the set has {count}")
+    for k, h in enumerate(headers):
+        named = SPLIT.fullmatch(h.file)
+        if named and (int(named["no"]) != k + 1 or int(named["count"]) != max(count, len(headers))):
+            report.add(
+                "split",
+                h.file,
+                f"{h.file}: named file {int(named['no'])} of {int(named['count'])}, but it is file "
+                f"{k + 1} of the {len(headers)} present and the set says {count}",
+            )
     seen: dict[str, str] = {}
     for k, h in enumerate(headers):
         for key, want in ((SPLIT_NO, k), (SPLIT_COUNT, count), (SPLIT_TENSORS, total)):

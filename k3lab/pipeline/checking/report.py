@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from k3lab.errors import printable
 from k3lab.pipeline.state.proof import Problem
 
 SUMMARY_LINES = 5  # a damaged set is told in at most this many lines
@@ -31,7 +32,8 @@ class Report:
         return [p.text for p in self.found]
 
     def add(self, kind: str, file: str, text: str) -> None:
-        self.found.append(Problem(kind, file, text))
+        """A problem; its text said as a terminal may show it (names from a stranger's file escaped)."""
+        self.found.append(Problem(kind, printable(file), printable(text)))
 
     def lines(self, limit: int = SUMMARY_LINES) -> list[str]:
         """The problems in at most ``limit`` lines: each one, while they fit; else one line per kind

@@ -1,4 +1,4 @@
-"""Byte ranges of the Hub's files, fetched once: a bounded on-disk cache.
+"""Byte ranges of the Hub's files, fetched once: a bounded on-disk cache that proves what it serves.
 
 Looking inside a 1.42 TiB model from a laptop means reading a tensor's bytes, never its 16 GiB shard:
 a ``RangeCache`` hands out exactly the bytes asked for, from a range it holds or fetched now by
@@ -7,18 +7,47 @@ retry budget) and kept, so a notebook that draws a view again fetches nothing.
 
 On disk (``K3LAB_CACHE``, else ``$XDG_CACHE_HOME/k3lab``, else ``~/.cache/k3lab``)::
 
-  ranges/<file oid>/<start>-<stop>     exactly bytes [start, stop) of the file with that oid
-                                       (its SHA-256, or git blob id: the same bytes in any repo or commit)
+  ranges/<key>/<start>-<stop>.<sha256>   exactly bytes [start, stop) of one file, whose SHA-256
+                                         (of those bytes) is the name's last part
+  <key> = SHA-256 of the file's identity at the Hub: repo, commit, path and the file's own id
+          (its LFS SHA-256, or git blob id) -- ``FileIdentity.key``
 
-written as ``NAME.PID.partial``, fsynced and renamed, so a name only ever holds whole bytes. The
-cache is bounded by ``K3LAB_CACHE_SIZE`` (bytes, default 8 GiB): after each store the least recently
-used ranges go first. Reads map the cached file (no copy): memory stays bounded whatever the size.
+What it guarantees:
+
+- **Only what was fetched for this very file.** A range answers only for the repo, commit, path
+  and file id it was fetched for: another repo whose listing claims the same SHA-256, another
+  commit, another file never reads it.
+- **Proved on every read.** An entry's bytes are hashed when it is read and compared with the
+  SHA-256 recorded in its name when it was fetched: an entry whose bytes changed (a disk fault, a
+  hand edit, a crash's short write) is dropped and the range fetched again, never served.
+- **Checked content, refetched once.** A caller may give a ``check`` (a header must parse, its
+  length must fit the file): a range that fails it is dropped and fetched once more before it
+  becomes an error, so a range the Hub once served wrong does not outlive the Hub's fix.
+- **Regular files inside the root, never followed links.** ``ranges/`` and every ``<key>/`` are
+  opened without following links (``O_NOFOLLOW``) and entries only as regular files, without
+  blocking (a FIFO never hangs a read); a folder that is a link, or an entry that is not a regular
+  file, is left alone and the bytes are fetched without caching. The root itself is the user's to
+  choose: a ``K3LAB_CACHE`` that is a link to another disk is followed.
+- **Bounded.** ``K3LAB_CACHE_SIZE`` bytes (default 8 GiB): after each store the least recently read
+  ranges go first. A reader holds an open descriptor (or a map) of the entry it proved, so an
+  eviction meanwhile, by this process or another, cannot take its bytes away.
+- **Whole names only.** An entry is written as ``.<start>-<stop>.PID.partial`` and renamed when
+  whole; a crash leaves a partial (removed by the next store of that range) or nothing.
+
+Bytes that ``convert`` converts never come from here (it converts downloaded files whose SHA-256
+it checked); a plan's headers may, and a task re-checks each against its downloaded file (a header
+that differs drops the file's ranges: see ``distrust``).
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
+import mmap
 import os
 import re
+import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,13 +56,17 @@ from pathlib import Path
 import numpy as np
 
 from k3lab.errors import K3LabError
-from k3lab.formats.files import partial_path, remove_regular
 
 CACHE_ENV, SIZE_ENV = "K3LAB_CACHE", "K3LAB_CACHE_SIZE"
 DEFAULT_SIZE = 8 << 30
 PIECE = 32 << 20  # one ranged GET at most: a cut costs at most this much again
-_RANGE = re.compile(r"(\d+)-(\d+)")
-_OID = re.compile(r"[0-9a-z-]{8,80}")
+MAP_FROM = 16 << 20  # entries this large are mapped; smaller ones are read (a map costs more than a read)
+HASH_STEP = 16 << 20  # bytes hashed at once when proving a mapped entry
+_ENTRY = re.compile(r"(\d{1,20})-(\d{1,20})\.([0-9a-f]{64})")
+_KEY = re.compile(r"[0-9a-f]{64}")
+# the layout before entries proved themselves (ranges/<oid>/<start>-<stop>): evicted first, never read
+_OLD_ENTRY, _OLD_KEY = re.compile(r"\d{1,20}-\d{1,20}"), re.compile(r"git-[0-9a-f]{40}")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def cache_root() -> Path:
@@ -54,6 +87,22 @@ def cache_limit() -> int:
 
 
 Fetch = Callable[[int, int], bytes]  # (start, stop) -> exactly those bytes
+Check = Callable[[np.ndarray], object]  # raises K3LabError when the bytes cannot be the file's
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """A file as the Hub names it at one commit: what a cached range answers for, and only that."""
+
+    repo: str
+    commit: str
+    path: str
+    oid: str  # the LFS SHA-256, or ``git-<blob id>``
+
+    @property
+    def key(self) -> str:
+        text = json.dumps([self.repo, self.commit, self.path, self.oid], ensure_ascii=True)
+        return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass
@@ -63,147 +112,319 @@ class Counts:
     fetched: int = 0
     cached: int = 0
     requests: int = 0
+    dropped: int = 0  # entries dropped because their bytes failed a check
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, fetched: int = 0, cached: int = 0, requests: int = 0) -> None:
+    def add(self, fetched: int = 0, cached: int = 0, requests: int = 0, dropped: int = 0) -> None:
         with self.lock:
             self.fetched += fetched
             self.cached += cached
             self.requests += requests
+            self.dropped += dropped
 
 
 class RangeCache:
-    """Exact byte ranges of files (by oid), kept on disk within a size bound."""
+    """Exact byte ranges of Hub files (by ``FileIdentity``), kept on disk within a size bound, each
+    proved by its SHA-256 when read."""
 
     def __init__(self, root: Path | None = None, limit: int | None = None):
-        self.root = (root or cache_root()) / "ranges"
+        self.base = root or cache_root()
+        self.root = self.base / "ranges"
         self.limit = cache_limit() if limit is None else limit
         self.counts = Counts()
         self._lock = threading.Lock()
-        self._index: dict[str, list[tuple[int, int, Path]]] = {}  # oid -> ranges held (listed once)
         self._stored, self._scanned = 0, False  # bytes stored since the last scan of the cache
 
-    def _folder(self, oid: str) -> Path:
-        if not _OID.fullmatch(oid):
-            raise K3LabError(f"{oid!r}: not a file id the range cache can name")
-        return self.root / oid
-
-    def _held(self, oid: str) -> list[tuple[int, int, Path]]:
-        """The ranges held for ``oid``: listed from disk once, then kept up to date by this process
-        (a range another process stored meanwhile is fetched again: only a cost, never wrong bytes)."""
-        with self._lock:
-            held = self._index.get(oid)
-            if held is not None:
-                return list(held)
-        folder = self._folder(oid)
-        try:
-            names = os.listdir(folder)
-        except FileNotFoundError:
-            names = []
-        held = [(int(m[1]), int(m[2]), folder / n) for n in names if (m := _RANGE.fullmatch(n))]
-        with self._lock:
-            self._index[oid] = held
-        return list(held)
-
-    def read(self, oid: str, start: int, stop: int, fetch: Fetch) -> np.ndarray:
-        """Bytes ``[start, stop)`` of the file ``oid``, as a read-only uint8 array mapped from the
-        cache: from a range held there, else fetched (in pieces) and kept."""
+    # --- reading ---
+    def read(
+        self, file: FileIdentity, start: int, stop: int, fetch: Fetch, check: Check | None = None
+    ) -> np.ndarray:
+        """Bytes ``[start, stop)`` of ``file`` as a read-only uint8 array: from a range held and
+        proved, else fetched (in pieces) and kept. With ``check``, bytes that fail it are dropped and
+        fetched once more; a second failure is the check's error."""
         if stop <= start:
             return np.empty(0, dtype=np.uint8)
-        for a, b, path in self._held(oid):
-            if a <= start and stop <= b:
-                data = _load(path, b - a, start - a, stop - start)
-                if data is None:  # removed meanwhile (evicted), or cut short by a crash: fetch again
-                    self._forget(oid, path)
+        for attempt in (0, 1):
+            data, name = self._held(file, start, stop) if attempt == 0 else (None, None)
+            fresh = data is None
+            if fresh:
+                data, name = self._fetch(file, start, stop, fetch)
+            if check is not None:
+                try:
+                    check(data)
+                except K3LabError:
+                    if name is not None:
+                        self._drop(file, name)
+                    if attempt == 1:
+                        raise
                     continue
+            if not fresh:
                 self.counts.add(cached=stop - start)
-                return data
-        path = self._store(oid, start, stop, fetch)
-        data = _load(path, stop - start, 0, stop - start)
-        if data is None:
-            raise K3LabError(
-                f"{path}: a range just stored is gone (is the cache shared with a smaller bound?)"
-            )
-        return data
+            return data
+        raise AssertionError("unreachable")  # (the loop returns or raises)
 
-    def _store(self, oid: str, start: int, stop: int, fetch: Fetch) -> Path:
-        folder = self._folder(oid)
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{start}-{stop}"
-        tmp = partial_path(path, os.getpid())
-        remove_regular(tmp)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    def _held(self, file: FileIdentity, start: int, stop: int) -> tuple[np.ndarray | None, str | None]:
+        """A held range covering ``[start, stop)``, proved; entries that fail their proof are dropped."""
+        folder = self._open_folder(file, create=False)
+        if folder is None:
+            return None, None
         try:
-            with open(fd, "wb") as fh:
-                at = start
-                while at < stop:
-                    piece = fetch(at, min(stop, at + PIECE))
-                    fh.write(piece)
-                    self.counts.add(fetched=len(piece), requests=1)
-                    at += len(piece)
-            # no fsync: a cache may lose a range in a crash (a read checks each range's size, and a
-            # short one is fetched again), and an fsync per range would cost more than its fetch
-            os.replace(tmp, path)
+            for name in os.listdir(folder):
+                m = _ENTRY.fullmatch(name)
+                if not m or not (int(m[1]) <= start and stop <= int(m[2])):
+                    continue
+                a, b = int(m[1]), int(m[2])
+                data = _load_proved(folder, name, b - a, m[3], start - a, stop - start)
+                if data is _CHANGED:
+                    _remove_entry(folder, name)  # its bytes are not the ones fetched
+                    self.counts.add(dropped=1)
+                    continue
+                if data is not None:
+                    return data, name
+            return None, None
+        finally:
+            os.close(folder)
+
+    def distrust(self, file: FileIdentity) -> int:
+        """Drop every range held of ``file`` (its bytes proved wrong elsewhere: a downloaded copy
+        whose SHA-256 the Hub lists says otherwise). How many were dropped."""
+        folder = self._open_folder(file, create=False)
+        if folder is None:
+            return 0
+        try:
+            gone = sum(_remove_entry(folder, n) for n in os.listdir(folder) if _ENTRY.fullmatch(n))
+        finally:
+            os.close(folder)
+        self.counts.add(dropped=gone)
+        return gone
+
+    def _drop(self, file: FileIdentity, name: str) -> None:
+        folder = self._open_folder(file, create=False)
+        if folder is not None:
+            try:
+                if _remove_entry(folder, name):
+                    self.counts.add(dropped=1)
+            finally:
+                os.close(folder)
+
+    # --- fetching and storing ---
+    def _fetch(
+        self, file: FileIdentity, start: int, stop: int, fetch: Fetch
+    ) -> tuple[np.ndarray, str | None]:
+        """The range fetched now, and kept when the cache's folder for ``file`` can hold it (its name
+        then, else None: a folder that is a link, or a name taken by something k3lab did not make)."""
+        folder = self._open_folder(file, create=True)
+        if folder is None:
+            return np.frombuffer(self._fetch_all(start, stop, fetch), dtype=np.uint8), None
+        try:
+            return self._store(folder, start, stop, fetch)
+        finally:
+            os.close(folder)
+
+    def _fetch_all(self, start: int, stop: int, fetch: Fetch) -> bytes:
+        out = bytearray()
+        for piece in self._pieces(start, stop, fetch):
+            out += piece
+        return bytes(out)
+
+    def _pieces(self, start: int, stop: int, fetch: Fetch):
+        at = start
+        while at < stop:
+            piece = fetch(at, min(stop, at + PIECE))
+            if not piece:
+                raise K3LabError(f"bytes [{at}, {stop}): the server sent none")
+            self.counts.add(fetched=len(piece), requests=1)
+            at += len(piece)
+            yield piece
+
+    def _store(self, folder: int, start: int, stop: int, fetch: Fetch) -> tuple[np.ndarray, str | None]:
+        tmp = f".{start}-{stop}.{os.getpid()}.{threading.get_ident()}.partial"
+        _remove_entry(folder, tmp)  # (a killed store of this process id's)
+        fd = os.open(
+            tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=folder
+        )
+        try:
+            h = hashlib.sha256()
+            for piece in self._pieces(start, stop, fetch):
+                h.update(piece)
+                _write_all(fd, piece)
+            name = f"{start}-{stop}.{h.hexdigest()}"
+            data = _from_fd(fd, stop - start, 0, stop - start)
+            # no fsync: a crash may lose a range or cut it short; a read proves it and fetches again
+            if _taken_by_another(folder, name):
+                os.unlink(tmp, dir_fd=folder)
+                return data, None
+            os.rename(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
         except BaseException:
-            remove_regular(tmp)
+            _remove_entry(folder, tmp)
             raise
-        with self._lock:
-            self._index.setdefault(oid, []).append((start, stop, path))
-        self._evict(keep=path)
-        return path
+        finally:
+            os.close(fd)
+        self._evict(keep=name, size=stop - start)
+        return data, name
 
-    def _forget(self, oid: str, path: Path) -> None:
-        with self._lock:
-            self._index[oid] = [r for r in self._index.get(oid, []) if r[2] != path]
+    def _open_folder(self, file: FileIdentity, create: bool) -> int | None:
+        """A descriptor of ``ranges/<key>/``, never through a link (None: absent, or not a folder k3lab
+        can use)."""
+        key = file.key
+        assert _KEY.fullmatch(key)
+        try:
+            if create:
+                self.base.mkdir(parents=True, exist_ok=True)
+            base = os.open(self.base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # (the user's choice)
+        except OSError:
+            return None
+        try:
+            ranges = _open_dir_in(base, "ranges", create)
+            if ranges is None:
+                return None
+            try:
+                return _open_dir_in(ranges, key, create)
+            finally:
+                os.close(ranges)
+        finally:
+            os.close(base)
 
-    def _evict(self, keep: Path) -> None:
-        """Delete the least recently used ranges until the cache is within its bound (the folder is
+    # --- the bound ---
+    def _evict(self, keep: str, size: int) -> None:
+        """Delete the least recently read ranges until the cache is within its bound (the folder is
         scanned when the running total may have passed the bound: at most every 1/16 of it)."""
-        size = os.stat(keep).st_size
         with self._lock:
             self._stored += size
             if self._stored < self.limit // 16 and self._scanned:
                 return
             self._stored, self._scanned = 0, True
-            entries = []
             try:
-                folders = list(os.scandir(self.root))
-            except FileNotFoundError:
+                ranges = os.open(self.root, _DIR_FLAGS)
+            except OSError:
                 return
-            for d in folders:
-                if not d.is_dir(follow_symlinks=False):
-                    continue
-                for f in os.scandir(d.path):
-                    if _RANGE.fullmatch(f.name) and f.is_file(follow_symlinks=False):
-                        st = f.stat(follow_symlinks=False)
-                        entries.append((st.st_mtime_ns, st.st_size, Path(f.path)))
-            total = sum(size for _, size, _ in entries)
-            for _, size, path in sorted(entries):
-                if total <= self.limit:
-                    break
-                if path != keep and remove_regular(path):
-                    total -= size
-                    for oid, held in self._index.items():
-                        self._index[oid] = [r for r in held if r[2] != path]
+            try:
+                entries = []
+                for key in os.listdir(ranges):
+                    known = _KEY.fullmatch(key) or _OLD_KEY.fullmatch(key)
+                    folder = _open_dir_in(ranges, key, False) if known else None
+                    if folder is None:
+                        continue
+                    try:
+                        for name in os.listdir(folder):
+                            old = _OLD_ENTRY.fullmatch(name)
+                            if not (old or _ENTRY.fullmatch(name)):
+                                continue
+                            try:
+                                st = os.stat(name, dir_fd=folder, follow_symlinks=False)
+                            except OSError:
+                                continue
+                            if stat.S_ISREG(st.st_mode):
+                                entries.append((0 if old else st.st_atime_ns, st.st_size, key, name))
+                    finally:
+                        os.close(folder)
+                total = sum(e[1] for e in entries)
+                for _, nbytes, key, name in sorted(entries):
+                    if total <= self.limit:
+                        break
+                    if name == keep:
+                        continue
+                    folder = _open_dir_in(ranges, key, False)
+                    if folder is not None:
+                        try:
+                            if _remove_entry(folder, name):
+                                total -= nbytes
+                        finally:
+                            os.close(folder)
+            finally:
+                os.close(ranges)
 
 
-MAP_FROM = 16 << 20  # ranges this large are mapped; smaller ones are read (a map costs more than a read)
+_CHANGED = object()  # an entry whose bytes are not the ones its name records
 
 
-def _load(path: Path, size: int, offset: int, n: int) -> np.ndarray | None:
-    """``n`` bytes from ``offset`` of a cached range of ``size`` bytes (None when it is gone or is
-    not that size: a crash can leave a renamed range without its bytes); marks it used."""
+def _open_dir_in(parent: int, name: str, create: bool) -> int | None:
+    """``name`` inside the folder ``parent`` as a folder descriptor, never through a link."""
+    for attempt in (0, 1):
+        try:
+            return os.open(name, _DIR_FLAGS, dir_fd=parent)
+        except FileNotFoundError:
+            if not create or attempt:
+                return None
+            try:
+                os.mkdir(name, 0o755, dir_fd=parent)
+            except FileExistsError:
+                pass  # (another process made it meanwhile)
+            except OSError:
+                return None
+        except OSError:  # a link (ELOOP), a file (ENOTDIR), no permission: not a folder to use
+            return None
+    return None
+
+
+def _load_proved(folder: int, name: str, size: int, digest: str, offset: int, n: int) -> object:
+    """``n`` bytes from ``offset`` of the entry ``name`` of ``size`` bytes, whose whole bytes must
+    hash to ``digest``: an array; None when it is gone or not a regular file (left alone); ``_CHANGED``
+    when its bytes are not the recorded ones. Marks it read (its access time orders eviction)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder)
     except OSError:
         return None
     try:
-        if os.fstat(fd).st_size != size:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             return None
-        os.utime(fd)
-        if n >= MAP_FROM:
-            return np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(n,))
-        data = os.pread(fd, n, offset)
-        return np.frombuffer(data, dtype=np.uint8) if len(data) == n else None
+        if st.st_size != size:
+            return _CHANGED
+        whole = _from_fd(fd, size, 0, size)
+        h = hashlib.sha256()
+        view = memoryview(whole)
+        for at in range(0, size, HASH_STEP):
+            h.update(view[at : at + HASH_STEP])
+        if h.hexdigest() != digest:
+            return _CHANGED
+        os.utime(fd, ns=(_now_ns(), st.st_mtime_ns))
+        return whole[offset : offset + n]
     finally:
         os.close(fd)
+
+
+def _from_fd(fd: int, size: int, offset: int, n: int) -> np.ndarray:
+    """``n`` bytes from ``offset`` of an open file of ``size`` bytes, read-only: read (small) or mapped
+    (large); either stays valid after the descriptor is closed and the name removed."""
+    if size >= MAP_FROM:
+        mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        return np.frombuffer(mapped, dtype=np.uint8, count=n, offset=offset)
+    data = os.pread(fd, n, offset)
+    if len(data) != n:
+        raise K3LabError(f"a cached range: {len(data)} of {n} bytes read")
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def _remove_entry(folder: int, name: str) -> bool:
+    """Delete ``name`` in ``folder`` if it is a regular file (k3lab's own by its name); anything else
+    of that name is left alone. Whether it deleted one."""
+    try:
+        st = os.stat(name, dir_fd=folder, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        os.unlink(name, dir_fd=folder)
+        return True
+    except OSError:
+        return False
+
+
+def _taken_by_another(folder: int, name: str) -> bool:
+    """Whether ``name`` is held by something that is not a regular file (never replaced)."""
+    try:
+        st = os.stat(name, dir_fd=folder, follow_symlinks=False)
+    except OSError as e:
+        return e.errno != errno.ENOENT
+    return not stat.S_ISREG(st.st_mode)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _now_ns() -> int:
+    import time
+
+    return time.time_ns()

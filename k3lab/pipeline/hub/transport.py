@@ -26,6 +26,7 @@ import hashlib
 import os
 import re
 import threading
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,10 @@ from k3lab.pipeline.progress import NO_REPORT, TaskReport
 SPEED_ENV = "K3LAB_SPEED_LIMIT"
 SPEED_LIMIT, SPEED_TIME = 16 * 1024, 60.0  # below 16 KiB/s for a minute: a stalled transfer
 TIMEOUTS = {"connect": 30.0, "read": 60.0, "write": 60.0, "pool": 60.0}  # where a request sets none
-API_LIMIT = 64 << 20  # the Hub's JSON answers (a repo's file list: tens of KB for Kimi-K3)
+API_LIMIT = 16 << 20  # the Hub's JSON answers, decoded (a repo's file list: tens of KB for Kimi-K3)
+# and their shape, checked before huggingface_hub parses them (Kimi-K3's listing: ~200 objects)
+API_ITEMS, API_OBJECTS = 1_000_000, 100_000
+DECODERS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 ERROR_LIMIT = 1 << 20  # an error answer's body
 CHUNK = 1 << 20
 
@@ -72,16 +76,43 @@ def progress_that_counts() -> int:
 
 
 class _Watched(httpx2.SyncByteStream):
-    """An answer's body, cut at ``limit`` bytes and failed when slower than the minimum rate."""
+    """An answer's body, cut at ``limit`` bytes and failed when slower than the minimum rate. An API
+    answer is decoded here (``wbits``), its decoded bytes bounded as they come (a gzip bomb ends at
+    the limit, never after), and a JSON one held whole (``hold``) until its shape is checked."""
 
-    def __init__(self, inner: Any, limit: int | None, url: str):
-        self.inner, self.limit, self.url = inner, limit, url
+    def __init__(self, inner: Any, limit: int | None, url: str, hold: bool = False, wbits: int | None = None):
+        self.inner, self.limit, self.url, self.hold = inner, limit, url, hold
+        self.decoder = zlib.decompressobj(wbits) if wbits is not None else None
         self.rate, self.window = speed_limit()
 
     def __iter__(self) -> Iterator[bytes]:
+        if not self.hold:
+            yield from self._bounded(self._decoded())
+            return
+        body = b"".join(self._bounded(self._decoded()))
+        _check_shape(body, self.url)
+        yield body
+
+    def _decoded(self) -> Iterator[bytes]:
+        if self.decoder is None:
+            yield from self.inner
+            return
+        room = (self.limit or API_LIMIT) + 1
+        for chunk in self.inner:
+            data = chunk
+            while data:
+                out = self.decoder.decompress(data, room)
+                room -= len(out)
+                if room <= 0:
+                    raise WrongAnswer(f"{self.url}: the answer decodes to more than {self.limit} bytes")
+                yield out
+                data = self.decoder.unconsumed_tail
+        yield self.decoder.flush()
+
+    def _bounded(self, chunks: Any) -> Iterator[bytes]:
         total = 0
         start, at_start = CLOCK.now(), 0
-        for chunk in self.inner:
+        for chunk in chunks:
             total += len(chunk)
             if self.limit is not None and total > self.limit:
                 raise WrongAnswer(f"{self.url}: the answer is longer than the {self.limit} bytes it may be")
@@ -120,16 +151,41 @@ class BoundedTransport(httpx2.BaseTransport):
         request.extensions = {**request.extensions, "timeout": timeout}
         response = self.inner.handle_request(request)
         ANSWERED.add(request.url.host)
+        url = str(request.url.copy_with(query=None))
+        api = "/api/" in request.url.path
         limit = _length(response)
-        if limit is None and "/api/" in request.url.path:
-            limit = API_LIMIT
+        wbits = None
+        if api:  # decoded here, within the bound (huggingface_hub would decode it whole)
+            limit = API_LIMIT if limit is None else min(limit, API_LIMIT)
+            encoding = response.headers.get("Content-Encoding", "identity").strip().lower()
+            if encoding not in ("identity", "", *DECODERS):
+                response.close()
+                raise WrongAnswer(
+                    f"{url}: the answer is encoded as {encoding!r}, which k3lab does not decode"
+                )
+            if encoding in DECODERS:
+                wbits = DECODERS[encoding]
+                del response.headers["Content-Encoding"]
         if response.status_code >= 400:  # an error's text: read whole by huggingface_hub to raise it
             limit = min(limit if limit is not None else ERROR_LIMIT, ERROR_LIMIT)
-        response.stream = _Watched(response.stream, limit, str(request.url.copy_with(query=None)))
+        json_answer = "json" in response.headers.get("Content-Type", "") and response.status_code < 400
+        response.stream = _Watched(response.stream, limit, url, api and json_answer, wbits)
         return response
 
     def close(self) -> None:
         self.inner.close()
+
+
+def _check_shape(body: bytes, url: str) -> None:
+    """An API answer's JSON bounded in depth, values and objects before anything parses it."""
+    from k3lab.formats.files import MAX_DEPTH, json_shape
+
+    depth, commas, objects = json_shape(body)
+    if depth > MAX_DEPTH or commas >= API_ITEMS or objects > API_OBJECTS:
+        raise WrongAnswer(
+            f"{url}: an answer of {commas + 1} values and {objects} objects nested {depth} deep; "
+            f"k3lab reads at most {API_ITEMS}, {API_OBJECTS} and {MAX_DEPTH}"
+        )
 
 
 def _length(response: httpx2.Response) -> int | None:

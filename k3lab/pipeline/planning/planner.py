@@ -335,6 +335,11 @@ def still_current(saved: Plan, source: Any, options: dict[str, Any]) -> bool:
         inputs = inputs_fingerprint(saved.model, source, sorted(saved.inputs.get("files", {})), options)
         # the config the plan carries must be the one on disk (a plan's own digest can be forged)
         same_config = saved.model.load_config(source.meta_dir).raw == saved.cfg.raw
+        if not same_config or inputs_digest(inputs) != saved.inputs_digest:
+            return False
+        # and every header it was made from the one read now: a Hub source's inputs are its listing,
+        # and a header read wrong (forgotten by the task whose download contradicted it) re-plans
+        recorded = {s.file: s.header_sha256 for f in saved.files for s in f.sources}
+        return all(source.header_sha256(file) == sha for file, sha in recorded.items())
     except K3LabError:
         return False
-    return same_config and inputs_digest(inputs) == saved.inputs_digest

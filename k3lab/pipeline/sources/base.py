@@ -175,6 +175,11 @@ class Source(abc.ABC):
             self._parse(file)
         return self._header_sha[file]
 
+    def distrust(self, file: str) -> None:
+        """``file``'s own bytes contradict what was read of it earlier by other means (a header a plan
+        was made from): forget those (local: the file is the only copy, nothing to forget)."""
+        return None
+
     def release_header(self, file: str) -> None:
         """Forget a parsed header (read again when needed): bounded memory while planning."""
         self._headers.pop(file, None)

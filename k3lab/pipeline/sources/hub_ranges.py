@@ -10,8 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from k3lab.formats.safetensors import MAX_HEADER, NUMPY_DTYPE, TensorEntry
+from k3lab.formats.safetensors import MAX_HEADER, NUMPY_DTYPE, TensorEntry, parse_header
 from k3lab.pipeline.hub import transport
+from k3lab.pipeline.hub.ranges import Check, FileIdentity
 from k3lab.pipeline.hub.retry import with_retries
 from k3lab.pipeline.sources.base import SourceError, _row_range, _row_shape
 
@@ -33,9 +34,19 @@ class RangedReads:
             self.budget,
         )
 
-    def cached(self, file: str, start: int, stop: int) -> np.ndarray:
-        """Bytes ``[start, stop)`` of ``file`` through the range cache (fetched at most once)."""
-        return self.cache.read(self.remote(file).oid, start, stop, lambda a, b: self.fetch(file, a, b))
+    def identity(self, file: str) -> FileIdentity:
+        """What the range cache keys ``file``'s ranges by: this repo, the pinned commit, the path, its id."""
+        self.resolve()
+        return FileIdentity(self.repo, str(self.commit), file, self.remote(file).oid)
+
+    def cached(self, file: str, start: int, stop: int, check: Check | None = None) -> np.ndarray:
+        """Bytes ``[start, stop)`` of ``file`` through the range cache (fetched at most once; bytes
+        that fail ``check`` are fetched once more)."""
+        return self.cache.read(self.identity(file), start, stop, lambda a, b: self.fetch(file, a, b), check)
+
+    def distrust(self, file: str) -> None:
+        """``file``'s downloaded bytes (SHA-256 checked) contradict ranges read earlier: drop them."""
+        self.cache.distrust(self.identity(file))
 
     def map(self, entry: TensorEntry, offset: int, nbytes: int) -> np.ndarray:
         """A piece of a tensor: from the downloaded shard when this source holds it (converting),
@@ -91,8 +102,17 @@ class RangedReads:
         size = self.remote(file).size
         if size < 8:
             raise SourceError(f"{self.where(file)}: {size} bytes is too short for a safetensors file")
-        (n,) = struct.unpack("<Q", bytes(self.cached(file, 0, 8)))
-        if n > MAX_HEADER or 8 + n > size:
-            raise SourceError(f"{self.where(file)}: header length {n} does not fit the file ({size} bytes)")
-        head = bytes(self.cached(file, 0, 8 + n))  # (exactly the header: its length, then its JSON)
+        where = self.where(file)
+
+        def fits(length: np.ndarray) -> None:
+            (n,) = struct.unpack("<Q", bytes(length))
+            if n > MAX_HEADER or 8 + n > size:
+                raise SourceError(f"{where}: header length {n} does not fit the file ({size} bytes)")
+
+        def parses(head: np.ndarray) -> None:
+            parse_header(bytes(head[8:]), where, size)
+
+        (n,) = struct.unpack("<Q", bytes(self.cached(file, 0, 8, fits)))
+        # exactly the header: its length, then its JSON (a range that does not parse is fetched again)
+        head = bytes(self.cached(file, 0, 8 + n, parses))
         return head[8 : 8 + n], size

@@ -135,9 +135,13 @@ class PlannedInputs(Reader):
         self.held.append(i)
         entries, sha = self.source.file_header(planned.file)
         if sha != planned.header_sha256:
+            # the plan read this header by other means (ranges, perhaps cached): this copy is the
+            # checked one, so what was read before is forgotten and a rerun plans from the file's own
+            self.source.distrust(planned.file)
             raise PlanError(
                 f"{self.source.where(planned.file)}: header differs from the one the plan was made from "
-                "(the source changed since planning: run the command again to re-plan)"
+                "(the source changed since planning, or its header was read wrong: run the command "
+                "again to re-plan)"
             )
         self.entries.update(entries)
         self.files.update(dict.fromkeys(entries, planned.file))
