@@ -8,6 +8,13 @@ class K3LabError(ValueError):
 
     exit_code = 2
 
+    def _render_traceback_(self) -> list[str]:
+        """How IPython (a notebook's kernel) shows it: its lines, as the command line says them, not
+        a traceback through k3lab's internals (the cell still fails: papermill and `k3lab batch`
+        stop there and name it)."""
+        lines = str(self).splitlines()[:20] or [""]
+        return [f"{type(self).__name__}: {printable(line)}" for line in lines]
+
 
 class MachineError(K3LabError):
     """The machine's problem, not the input's (a full disk): one line, exit 1."""

@@ -67,9 +67,10 @@ class Request:
         for flag in ("retry_budget", "commit_every"):
             if getattr(self, flag) is not None:
                 values.seconds(getattr(self, flag), "--" + flag.replace("_", "-"))
-        for flag in ("repo", "push_to"):
+        checks = {"repo": values.repo_id, "push_to": values.repo_id, "revision": values.revision}
+        for flag, check in (checks | {"push_branch": values.revision}).items():
             if getattr(self, flag) is not None:
-                values.repo_id(getattr(self, flag), "--" + flag.replace("_", "-"))
+                check(getattr(self, flag), "--" + flag.replace("_", "-"))
 
     @classmethod
     def of(cls, given: Any) -> Request:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from k3lab.errors import K3LabError
+from k3lab.errors import K3LabError, printable
 
 MAX_JOBS = 256  # processes on one machine
 MAX_SECONDS = 7 * 86400.0  # a week: no wait k3lab takes is meant to be longer
@@ -62,6 +62,24 @@ def repo_id(value: object, flag: str) -> str:
         return text
     raise ValueProblem(
         f"argument {flag}: {text!r} is not a Hub repo: give ORG/NAME (letters, digits, '.', '_', '-')"
+    )
+
+
+_REVISION = re.compile(r"[A-Za-z0-9._/+-]{1,255}")
+
+
+def revision(value: object, flag: str) -> str:
+    """A branch, tag or commit of a Hub repo, as git names them: printable, no spaces, no ``..``."""
+    text = str(value)
+    if (
+        isinstance(value, str)
+        and _REVISION.fullmatch(text)
+        and ".." not in text
+        and not text.startswith(("-", "/"))
+    ):
+        return text
+    raise ValueProblem(
+        f"argument {flag}: {printable(text)!r} is not a branch, tag or commit (letters, digits, '.', '_', '/', '+', '-')"
     )
 
 

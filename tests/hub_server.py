@@ -178,6 +178,7 @@ class HubServer:
         self.uploads: list[str] = []  # oids PUT, in order
         self.commit_log: list[tuple[str, str, list[str]]] = []  # (repo, commit, paths) of pushed commits
         self.upload_faults = False  # every third PUT answers 500 (huggingface_hub retries it)
+        self.uplink_dead = False  # every PUT answers 500 (downloads, the API and commits still work)
         self.private: set[str] = set()  # repos made private: unseen without the token
         self._puts = 0
         self.first = self._new_commit(files, "initial commit")
@@ -606,7 +607,7 @@ class HubServer:
         if method == "PUT" and (m := re.fullmatch(r"/lfs-upload/(?P<oid>[0-9a-f]{64})", path)):
             with self.lock:
                 self._puts += 1
-                fail = self.upload_faults and self._puts % 3 == 0
+                fail = (self.upload_faults and self._puts % 3 == 0) or self.uplink_dead
             if fail:
                 return self._error(h, 500, "", "Internal Server Error")
             if hashlib.sha256(body).hexdigest() != m["oid"]:
@@ -668,6 +669,9 @@ class HubServer:
             lines = [json.loads(line) for line in body.splitlines() if line.strip()]
             branch = m["rev"]
             commits, branches = self.repos[m["repo"]]
+            parent = lines[0]["value"].get("parentCommit") if lines and lines[0]["key"] == "header" else None
+            if parent and parent != branches[branch]:  # (the Hub's answer to a commit made on an old head)
+                return self._error(h, 412, "", "A commit has happened since. Please refresh and try again.")
             files = dict(commits[branches[branch]])
             paths = []
             for item in lines:

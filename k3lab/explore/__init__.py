@@ -4,7 +4,8 @@ Every function reads a checkpoint (or a converted set) and returns rows, arrays 
 live in ``plots.py`` and the story in ``notebooks/``. One module per job: ``paths`` (where a
 notebook's paths start, where it writes its result), ``opening`` (a checkpoint and its plan, through
 the same request as the CLI), ``layouts`` (01), ``scales`` (02, 03), ``vision`` (04), ``sets``
-(05), ``tables`` (HTML tables), ``live`` (controls and the view they drive). A notebook imports ``k3lab.explore`` and finds them all here.
+(05), ``tables`` (HTML tables), ``live`` (controls and the view they drive), ``parameters`` (a
+notebook's parameters checked as the CLI checks flags). A notebook imports ``k3lab.explore`` and finds them all here.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from k3lab.explore.opening import (
     open_conversion,
     source_spec,
 )
+from k3lab.explore.parameters import check_index, check_parameters
 from k3lab.explore.paths import HOME_ENV, home, resolve, save_result
 from k3lab.explore.sets import manifest_summary, repo_summary, verify
 from k3lab.explore.tables import html_table
@@ -31,6 +33,8 @@ __all__ = [
     "HOME_ENV",
     "PROJ_NAMES",
     "ScaleStats",
+    "check_index",
+    "check_parameters",
     "check_vision",
     "convert",
     "derive_tensor",

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from conftest import (
     PER_LAYER,
     ROOT,  # noqa: E402  (the repository)
@@ -59,6 +60,7 @@ def test_batch_on_a_local_cluster(tiny_src: Path, tiny_out: Path, tmp_path: Path
         assert (out / f.name).read_bytes() == f.read_bytes()
 
 
+@pytest.mark.slow  # (over a minute on CI's 2 cores: `make test-slow`)
 def test_a_killed_worker_is_recovered_by_running_again(tiny_src: Path, tmp_path: Path) -> None:
     out, runs = tmp_path / "out", tmp_path / "runs"
     proc = subprocess.Popen(
@@ -130,13 +132,13 @@ def test_a_hung_kernel_is_one_line_and_the_others_go_on(tiny_src: Path, tmp_path
     out, runs = tmp_path / "out", tmp_path / "runs"
     args = _batch_args(tiny_src, out, runs, "hung")
     args[args.index("--notebook") + 1] = str(hung)
-    code = main([*args, "--files", "1-3", "--cell-timeout", "20", "--notebook-timeout", "60"])
+    code = main([*args, "--files", "1-3", "--cell-timeout", "10", "--notebook-timeout", "40"])
     text = capsys.readouterr().out
     assert code == 1 and "1 ok, 2 failed" in text, text
     lines = [line for line in text.splitlines() if "03-hung.ipynb: cell" in line]
     assert len(lines) == 2, text
     # (counted in the executed notebook, where papermill's injected parameters cell comes first)
-    said = f"03-hung.ipynb: cell {at + 2} ('import os, signal, time') ran past its 20 s; stopped"
+    said = f"03-hung.ipynb: cell {at + 2} ('import os, signal, time') ran past its 10 s; stopped"
     assert all(line.endswith(said) for line in lines), lines
     nb.cells[at].source = "pass"
     nbformat.write(nb, hung)

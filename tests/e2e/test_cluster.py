@@ -158,6 +158,7 @@ def test_one_commit_per_set_while_the_repo_moves(
     assert (tmp_path / "out" / redone).read_bytes() != (tiny_out / redone).read_bytes()
 
 
+@pytest.mark.slow  # (over a minute on CI's 2 cores: `make test-slow`)
 def test_a_minute_of_outage_is_ridden_out(
     cluster: str, tiny_src: Path, tiny_out: Path, tmp_path: Path
 ) -> None:
@@ -306,6 +307,7 @@ def test_a_download_that_is_not_the_listed_bytes_is_refused(tiny_src: Path, tmp_
     assert not list((tmp_path / "scratch").iterdir())
 
 
+@pytest.mark.slow  # (the bar's own test; the cluster's work is covered by the others)
 def test_one_byte_bar_moves_while_the_cluster_works(cluster: str, tiny_src: Path, tmp_path: Path) -> None:
     """On Dask, the bar counts source bytes as the workers convert them (not 0% until the end), shows
     the download, never passes its total, and huggingface_hub draws nothing of its own."""

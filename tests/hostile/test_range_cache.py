@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from k3lab.errors import K3LabError
-from k3lab.pipeline.hub import ranges
+from k3lab.pipeline.hub import range_files
 from k3lab.pipeline.hub.ranges import FileIdentity, RangeCache
 
 DATA = np.random.default_rng(7).integers(0, 256, 1 << 16, dtype=np.uint8).tobytes()
@@ -141,7 +141,7 @@ def test_a_root_the_user_links_to_another_disk_is_theirs_to_choose(tmp_path: Pat
 def test_a_cache_smaller_than_one_range_serves_every_read(tmp_path: Path, monkeypatch) -> None:
     """K3LAB_CACHE_SIZE=1 with many readers at once (as a view warms its tensors): each range is
     evicted as the next is stored, and every read still returns its bytes (read or mapped)."""
-    monkeypatch.setattr(ranges, "MAP_FROM", 4096)  # the mapped path too
+    monkeypatch.setattr(range_files, "MAP_FROM", 4096)  # the mapped path too
     cache = RangeCache(tmp_path, 1)
     spans = [(s, s + n) for s in range(0, 60000, 3000) for n in (100, 5000)]
     results: dict[tuple[int, int], bytes] = {}
@@ -164,7 +164,7 @@ def test_a_cache_smaller_than_one_range_serves_every_read(tmp_path: Path, monkey
 
 
 def test_an_entry_evicted_while_it_is_read_keeps_its_bytes(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(ranges, "MAP_FROM", 4096)
+    monkeypatch.setattr(range_files, "MAP_FROM", 4096)
     cache = RangeCache(tmp_path, 1 << 30)
     held = cache.read(FILE, 0, 32768, Hub())  # mapped
     shutil.rmtree(tmp_path / "ranges")  # another process evicts everything

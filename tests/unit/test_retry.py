@@ -87,26 +87,43 @@ def test_the_budget_gives_up_with_exit_1_and_progress_starts_its_clock_again() -
     assert 900 <= clock.t - 1000 < 920 and e.value.exit_code == 1  # 15 minutes of outage, in no time
     # a failure after real progress (a window's worth of bytes at the minimum rate) is a new run of
     # failures: 5 failures 300 s apart pass a 600 s budget
-    report = TaskReport()
+    got = [0]  # the transfer's own bytes (a download keeps them across attempts)
     attempts = []
 
     def flaky(step: int) -> str:
         attempts.append(1)
         if len(attempts) <= 5:
-            report.moved_bytes += step  # it got further each time
+            got[0] += step  # it got further each time
             clock.sleep(300)
             raise httpx2.ReadTimeout("cut")
         return "done"
 
+    progress = lambda: got[0]  # noqa: E731
     assert (
-        with_retries("f", lambda: flaky(progress_that_counts()), budget=600, report=report, clock=clock)
+        with_retries("f", lambda: flaky(progress_that_counts()), budget=600, clock=clock, progress=progress)
         == "done"
     )
     # a trickle (a byte per attempt) is no progress: the budget runs out all the same
     attempts.clear()
     with pytest.raises(HubUnreachable, match="retry budget 600 s; last: cut"):
-        with_retries("f", lambda: flaky(1), budget=600, report=report, clock=clock)
+        with_retries("f", lambda: flaky(1), budget=600, clock=clock, progress=progress)
     assert len(attempts) <= 3
+
+
+def test_what_else_a_task_moves_never_restarts_an_uploads_clock() -> None:
+    """A dead uplink while the task's prefetch downloads fine: the upload (no progress of its own,
+    each attempt starts again) gives up within its budget, counted from its first failed attempt
+    (huggingface_hub's own retries inside it included)."""
+    clock, report = FakeClock(), TaskReport()
+
+    def put() -> None:
+        report.downloaded(1 << 30)  # the prefetch of the next file, at full speed meanwhile
+        clock.sleep(40)  # huggingface_hub retrying the PUT inside this attempt
+        raise httpx2.WriteError("connection reset by peer")
+
+    with pytest.raises(HubUnreachable, match="retry budget 100 s"):
+        with_retries("f.gguf", put, budget=100, report=report, clock=clock)
+    assert clock.t - 1000 <= 100 + 40 + 10
 
 
 @pytest.mark.parametrize("budget", [math.nan, math.inf, -1.0])

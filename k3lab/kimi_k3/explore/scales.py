@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from k3lab.errors import K3LabError
 from k3lab.formats import mxfp4
 from k3lab.kimi_k3.rules import expert_tensor
 from k3lab.pipeline.sources.base import Source
@@ -21,6 +22,19 @@ def _expert_names(source: Source, layer: int, proj: str, part: str = "weight_sca
     while (name := expert_tensor(layer, len(names), proj, part)) in weight_map:
         names.append((len(names), name))
     return names
+
+
+def _expert(source: Source, layer: int, proj: str, expert: int) -> None:
+    """One line when the checkpoint has no such expert (never another tensor's bytes)."""
+    count = len(_expert_names(source, layer, proj)) if _is_index(layer) else 0
+    if not count:
+        raise K3LabError(f"layer {layer!r}: no routed experts of {proj!r} in this checkpoint")
+    if not _is_index(expert) or not 0 <= expert < count:
+        raise K3LabError(f"expert {expert!r}: layer {layer} has experts 0 to {count - 1}")
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 BATCH = 64  # experts whose scales are fetched at once (a Hub source: side by side)
@@ -65,7 +79,7 @@ def scale_stats(source: Source, layer: int, proj: str, outlier_limit: int = 50) 
     counts = np.zeros(256, dtype=np.int64)
     rows_means: list[np.ndarray] = []
     outliers: list[dict[str, int]] = []
-    experts = _expert_names(source, layer, proj)
+    experts = _expert_names(source, layer, proj)  # (none: a layer of plain experts, or none at all)
     for k, (e, name) in enumerate(experts):
         if k % BATCH == 0:
             source.warm([n for _, n in experts[k : k + BATCH]])
@@ -92,6 +106,7 @@ def scale_stats(source: Source, layer: int, proj: str, outlier_limit: int = 50) 
 
 def expert_codes(source: Source, layer: int, proj: str, expert: int = 0) -> np.ndarray:
     """The FP4 codes (0..15) of one expert matrix."""
+    _expert(source, layer, proj, expert)
     name = expert_tensor(layer, expert, proj, "weight_packed")
     return mxfp4.unpack_codes(np.asarray(source.array(name)))
 
@@ -100,7 +115,11 @@ def first_block(
     source: Source, layer: int, proj: str, expert: int = 0, row: int = 0, block: int = 0
 ) -> dict[str, Any]:
     """One 32-value block before and after the repack: the 16 + 1 source bytes and the 17 ggml bytes."""
+    _expert(source, layer, proj, expert)
     base = expert_tensor(layer, expert, proj, "")
+    blocks = source.entry(base + "weight_scale").shape[-1]
+    if not _is_index(block) or block >= blocks:
+        raise K3LabError(f"block {block!r}: a row of {base}weight_packed has blocks 0 to {blocks - 1}")
     packed = np.asarray(source.rows(base + "weight_packed", row, row + 1))[:, block * 16 : block * 16 + 16]
     scale = np.asarray(source.rows(base + "weight_scale", row, row + 1))[:, block : block + 1]
     ggml = mxfp4.repack(packed, scale)

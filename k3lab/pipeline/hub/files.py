@@ -69,6 +69,8 @@ def download(
     if path.is_symlink() or (path.exists() and not path.is_file()):
         raise HubError(f"{path}: is not a file k3lab downloaded; remove it")
 
+    counted = _Closing(report, closing)
+
     def one() -> Any:
         if closing.is_set():
             raise Cancelled(f"{remote.name}: the source was closed")
@@ -79,11 +81,12 @@ def download(
             remote.size,
             token,
             where,
-            _Closing(report, closing),
+            counted,
             lambda: transport.file_hash(remote.sha256, remote.size),
         )
 
-    h = with_retries(where, one, budget, report)
+    # (each attempt continues from the last byte: what arrived is progress this download keeps)
+    h = with_retries(where, one, budget, report, progress=lambda: counted.got)
     return h.hexdigest() if remote.sha256 else f"git-{h.hexdigest()}"
 
 
@@ -93,8 +96,10 @@ class _Closing(TaskReport):
     def __init__(self, report: TaskReport, closing: threading.Event):
         super().__init__(report.number, None, None)
         self.report, self.closing = report, closing
+        self.got = 0  # bytes of this download that arrived, over every attempt
 
     def downloaded(self, n: int) -> None:
+        self.got += n
         self.report.downloaded(n)
         if self.closing.is_set():
             raise Cancelled("the source was closed")

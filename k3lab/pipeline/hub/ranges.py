@@ -41,10 +41,8 @@ that differs drops the file's ranges: see ``distrust``).
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
-import mmap
 import os
 import re
 import stat
@@ -56,17 +54,25 @@ from pathlib import Path
 import numpy as np
 
 from k3lab.errors import K3LabError
+from k3lab.formats.files import PARTIAL
+from k3lab.pipeline.hub.range_files import (
+    CHANGED,
+    DIR_FLAGS,
+    from_fd,
+    load_proved,
+    open_dir_in,
+    remove_entry,
+    taken_by_another,
+    write_all,
+)
 
 CACHE_ENV, SIZE_ENV = "K3LAB_CACHE", "K3LAB_CACHE_SIZE"
 DEFAULT_SIZE = 8 << 30
 PIECE = 32 << 20  # one ranged GET at most: a cut costs at most this much again
-MAP_FROM = 16 << 20  # entries this large are mapped; smaller ones are read (a map costs more than a read)
-HASH_STEP = 16 << 20  # bytes hashed at once when proving a mapped entry
 _ENTRY = re.compile(r"(\d{1,20})-(\d{1,20})\.([0-9a-f]{64})")
 _KEY = re.compile(r"[0-9a-f]{64}")
 # the layout before entries proved themselves (ranges/<oid>/<start>-<stop>): evicted first, never read
 _OLD_ENTRY, _OLD_KEY = re.compile(r"\d{1,20}-\d{1,20}"), re.compile(r"git-[0-9a-f]{40}")
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def cache_root() -> Path:
@@ -174,9 +180,9 @@ class RangeCache:
                 if not m or not (int(m[1]) <= start and stop <= int(m[2])):
                     continue
                 a, b = int(m[1]), int(m[2])
-                data = _load_proved(folder, name, b - a, m[3], start - a, stop - start)
-                if data is _CHANGED:
-                    _remove_entry(folder, name)  # its bytes are not the ones fetched
+                data = load_proved(folder, name, b - a, m[3], start - a, stop - start)
+                if data is CHANGED:
+                    remove_entry(folder, name)  # its bytes are not the ones fetched
                     self.counts.add(dropped=1)
                     continue
                 if data is not None:
@@ -192,7 +198,7 @@ class RangeCache:
         if folder is None:
             return 0
         try:
-            gone = sum(_remove_entry(folder, n) for n in os.listdir(folder) if _ENTRY.fullmatch(n))
+            gone = sum(remove_entry(folder, n) for n in os.listdir(folder) if _ENTRY.fullmatch(n))
         finally:
             os.close(folder)
         self.counts.add(dropped=gone)
@@ -202,7 +208,7 @@ class RangeCache:
         folder = self._open_folder(file, create=False)
         if folder is not None:
             try:
-                if _remove_entry(folder, name):
+                if remove_entry(folder, name):
                     self.counts.add(dropped=1)
             finally:
                 os.close(folder)
@@ -238,8 +244,8 @@ class RangeCache:
             yield piece
 
     def _store(self, folder: int, start: int, stop: int, fetch: Fetch) -> tuple[np.ndarray, str | None]:
-        tmp = f".{start}-{stop}.{os.getpid()}.{threading.get_ident()}.partial"
-        _remove_entry(folder, tmp)  # (a killed store of this process id's)
+        tmp = f".{start}-{stop}.{os.getpid()}.{threading.get_ident()}{PARTIAL}"
+        remove_entry(folder, tmp)  # (a killed store of this process id's)
         fd = os.open(
             tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=folder
         )
@@ -247,16 +253,16 @@ class RangeCache:
             h = hashlib.sha256()
             for piece in self._pieces(start, stop, fetch):
                 h.update(piece)
-                _write_all(fd, piece)
+                write_all(fd, piece)
             name = f"{start}-{stop}.{h.hexdigest()}"
-            data = _from_fd(fd, stop - start, 0, stop - start)
+            data = from_fd(fd, stop - start, 0, stop - start)
             # no fsync: a crash may lose a range or cut it short; a read proves it and fetches again
-            if _taken_by_another(folder, name):
+            if taken_by_another(folder, name):
                 os.unlink(tmp, dir_fd=folder)
                 return data, None
             os.rename(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
         except BaseException:
-            _remove_entry(folder, tmp)
+            remove_entry(folder, tmp)
             raise
         finally:
             os.close(fd)
@@ -275,11 +281,11 @@ class RangeCache:
         except OSError:
             return None
         try:
-            ranges = _open_dir_in(base, "ranges", create)
+            ranges = open_dir_in(base, "ranges", create)
             if ranges is None:
                 return None
             try:
-                return _open_dir_in(ranges, key, create)
+                return open_dir_in(ranges, key, create)
             finally:
                 os.close(ranges)
         finally:
@@ -295,14 +301,14 @@ class RangeCache:
                 return
             self._stored, self._scanned = 0, True
             try:
-                ranges = os.open(self.root, _DIR_FLAGS)
+                ranges = os.open(self.root, DIR_FLAGS)
             except OSError:
                 return
             try:
                 entries = []
                 for key in os.listdir(ranges):
                     known = _KEY.fullmatch(key) or _OLD_KEY.fullmatch(key)
-                    folder = _open_dir_in(ranges, key, False) if known else None
+                    folder = open_dir_in(ranges, key, False) if known else None
                     if folder is None:
                         continue
                     try:
@@ -324,107 +330,12 @@ class RangeCache:
                         break
                     if name == keep:
                         continue
-                    folder = _open_dir_in(ranges, key, False)
+                    folder = open_dir_in(ranges, key, False)
                     if folder is not None:
                         try:
-                            if _remove_entry(folder, name):
+                            if remove_entry(folder, name):
                                 total -= nbytes
                         finally:
                             os.close(folder)
             finally:
                 os.close(ranges)
-
-
-_CHANGED = object()  # an entry whose bytes are not the ones its name records
-
-
-def _open_dir_in(parent: int, name: str, create: bool) -> int | None:
-    """``name`` inside the folder ``parent`` as a folder descriptor, never through a link."""
-    for attempt in (0, 1):
-        try:
-            return os.open(name, _DIR_FLAGS, dir_fd=parent)
-        except FileNotFoundError:
-            if not create or attempt:
-                return None
-            try:
-                os.mkdir(name, 0o755, dir_fd=parent)
-            except FileExistsError:
-                pass  # (another process made it meanwhile)
-            except OSError:
-                return None
-        except OSError:  # a link (ELOOP), a file (ENOTDIR), no permission: not a folder to use
-            return None
-    return None
-
-
-def _load_proved(folder: int, name: str, size: int, digest: str, offset: int, n: int) -> object:
-    """``n`` bytes from ``offset`` of the entry ``name`` of ``size`` bytes, whose whole bytes must
-    hash to ``digest``: an array; None when it is gone or not a regular file (left alone); ``_CHANGED``
-    when its bytes are not the recorded ones. Marks it read (its access time orders eviction)."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        if st.st_size != size:
-            return _CHANGED
-        whole = _from_fd(fd, size, 0, size)
-        h = hashlib.sha256()
-        view = memoryview(whole)
-        for at in range(0, size, HASH_STEP):
-            h.update(view[at : at + HASH_STEP])
-        if h.hexdigest() != digest:
-            return _CHANGED
-        os.utime(fd, ns=(_now_ns(), st.st_mtime_ns))
-        return whole[offset : offset + n]
-    finally:
-        os.close(fd)
-
-
-def _from_fd(fd: int, size: int, offset: int, n: int) -> np.ndarray:
-    """``n`` bytes from ``offset`` of an open file of ``size`` bytes, read-only: read (small) or mapped
-    (large); either stays valid after the descriptor is closed and the name removed."""
-    if size >= MAP_FROM:
-        mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
-        return np.frombuffer(mapped, dtype=np.uint8, count=n, offset=offset)
-    data = os.pread(fd, n, offset)
-    if len(data) != n:
-        raise K3LabError(f"a cached range: {len(data)} of {n} bytes read")
-    return np.frombuffer(data, dtype=np.uint8)
-
-
-def _remove_entry(folder: int, name: str) -> bool:
-    """Delete ``name`` in ``folder`` if it is a regular file (k3lab's own by its name); anything else
-    of that name is left alone. Whether it deleted one."""
-    try:
-        st = os.stat(name, dir_fd=folder, follow_symlinks=False)
-        if not stat.S_ISREG(st.st_mode):
-            return False
-        os.unlink(name, dir_fd=folder)
-        return True
-    except OSError:
-        return False
-
-
-def _taken_by_another(folder: int, name: str) -> bool:
-    """Whether ``name`` is held by something that is not a regular file (never replaced)."""
-    try:
-        st = os.stat(name, dir_fd=folder, follow_symlinks=False)
-    except OSError as e:
-        return e.errno != errno.ENOENT
-    return not stat.S_ISREG(st.st_mode)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def _now_ns() -> int:
-    import time
-
-    return time.time_ns()

@@ -11,6 +11,7 @@ import math
 import random
 import re
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from k3lab.errors import K3LabError, MachineError
@@ -117,19 +118,26 @@ def with_retries(
     report: TaskReport = NO_REPORT,
     base_delay: float = 0.5,
     clock: Clock | None = None,
+    progress: Callable[[], int] | None = None,
 ) -> Any:
-    """fn() until it succeeds, riding out transient failures for up to ``budget`` seconds in a row;
-    refusals are one line. The clock starts again when an attempt brought real progress (a window's
-    worth of bytes at the minimum rate: ``transport.progress_that_counts``), never for a trickle."""
+    """fn() until it succeeds, riding out transient failures for up to ``budget`` seconds in a row
+    (counted from the start of the first attempt that failed: the retries huggingface_hub makes
+    inside one are in the budget too); refusals are one line. ``progress()``: the bytes this very
+    transfer has got further (a download's, kept across attempts); the clock starts again when an
+    attempt brought a window's worth of them at the minimum rate (``transport.progress_that_counts``),
+    never for a trickle. None: nothing carries over between attempts (an upload starts again), so
+    nothing else moving in the same task (a prefetch downloading fine) restarts the clock."""
     from k3lab.pipeline.hub.transport import progress_that_counts
 
     clock = clock or CLOCK
     if not (budget >= 0 and math.isfinite(budget)):
         raise K3LabError(f"retry budget {budget!r}: give a number of seconds, 0 or more")
     counts = progress_that_counts()
+    moved = progress or (lambda: 0)
     first_failure: float | None = None
-    attempt, seen = 0, report.moved_bytes
+    attempt, seen = 0, moved()
     while True:
+        started = clock.now()
         try:
             return fn()
         except (Cancelled, K3LabError):
@@ -144,10 +152,10 @@ def with_retries(
                     raise MachineError(f"{what}: {_reason(e)}") from None  # the machine's: a disk, a folder
                 raise HubError(f"{what}: {_reason(e)}") from None
             now = clock.now()
-            if report.moved_bytes - seen >= counts:  # it got further this time: a new run of failures
-                first_failure, attempt = None, 0
-            seen = report.moved_bytes
-            first_failure = first_failure if first_failure is not None else now
+            if moved() - seen >= counts:  # it got further this time: a new run of failures from now
+                first_failure, attempt, started = None, 0, now
+            seen = moved()
+            first_failure = first_failure if first_failure is not None else started
             if now - first_failure >= budget:
                 raise HubUnreachable(
                     f"{what}: the Hub kept failing for {now - first_failure:.0f} s (retry budget "

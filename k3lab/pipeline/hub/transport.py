@@ -3,10 +3,13 @@
 - **Time.** huggingface_hub's shared client makes some requests with no timeout at all
   (``model_info``: a server that accepts and never answers hangs the run). ``install`` gives it a
   transport that fills in a timeout wherever a request has none (``TIMEOUTS``) and watches every
-  answer's body: a transfer slower than a minimum rate over a window (curl's ``--speed-limit``
+  answer's body (``bounds.WatchedBody``): a transfer slower than a minimum rate over a window (curl's ``--speed-limit``
   and ``--speed-time``: ``SPEED_LIMIT`` bytes/s over ``SPEED_TIME`` s, or ``K3LAB_SPEED_LIMIT=
   BYTES/SECONDS``) fails with ``TooSlow``, a timeout: a trickling server ends a transfer in bounded
   time, and ``retry.with_retries`` spends the retry budget on it like any outage.
+- **Uploads.** A request body is held to the same minimum rate (``bounds.PacedStream``, on the client's
+  connections): a PUT to an uplink that trickles fails with ``TooSlowUp``, a timeout, in bounded
+  time, and the retry budget covers a dead uplink as it covers a dead downlink.
 - **Bytes.** A body longer than its ``Content-Length``, an API answer over ``API_LIMIT`` and a
   ranged answer longer than the range asked for are cut and refused (``WrongAnswer``), as is an
   answer of the wrong kind (a web page where a file was asked, a range the server did not give).
@@ -26,110 +29,44 @@ import hashlib
 import os
 import re
 import threading
-import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx2
 
-from k3lab.errors import K3LabError, MachineError
-from k3lab.pipeline.hub.clock import CLOCK
+from k3lab.errors import MachineError
+from k3lab.pipeline.hub.bounds import (  # (re-exported: what a transfer may raise, and its limits)
+    API_LIMIT,
+    DECODERS,
+    ERROR_LIMIT,
+    SPEED_ENV,
+    TIMEOUTS,
+    TooSlow,
+    TooSlowUp,
+    WatchedBody,
+    WrongAnswer,
+    pace_uploads,
+    progress_that_counts,
+    speed_limit,
+)
+
+__all__ = [  # what callers take from here (the bounds live in ``bounds``)
+    "SPEED_ENV",
+    "TooSlow",
+    "TooSlowUp",
+    "WrongAnswer",
+    "download",
+    "fetch_range",
+    "file_hash",
+    "file_url",
+    "install",
+    "progress_that_counts",
+    "speed_limit",
+]
 from k3lab.pipeline.progress import NO_REPORT, TaskReport
 
-SPEED_ENV = "K3LAB_SPEED_LIMIT"
-SPEED_LIMIT, SPEED_TIME = 16 * 1024, 60.0  # below 16 KiB/s for a minute: a stalled transfer
-TIMEOUTS = {"connect": 30.0, "read": 60.0, "write": 60.0, "pool": 60.0}  # where a request sets none
-API_LIMIT = 16 << 20  # the Hub's JSON answers, decoded (a repo's file list: tens of KB for Kimi-K3)
-# and their shape, checked before huggingface_hub parses them (Kimi-K3's listing: ~200 objects)
-API_ITEMS, API_OBJECTS = 1_000_000, 100_000
-DECODERS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
-ERROR_LIMIT = 1 << 20  # an error answer's body
 CHUNK = 1 << 20
-
-
-class TooSlow(httpx2.ReadTimeout):
-    """A transfer below the minimum rate for a whole window: a timeout (the retry budget rides it out)."""
-
-
-class WrongAnswer(K3LabError):
-    """The server answered with something other than what was asked (more bytes than asked, a web
-    page for a file, another range): one line, not retried."""
-
-
-def speed_limit() -> tuple[float, float]:
-    """(bytes per second, seconds): ``K3LAB_SPEED_LIMIT=BYTES/SECONDS`` or the default."""
-    value = os.environ.get(SPEED_ENV, "").strip()
-    if not value:
-        return float(SPEED_LIMIT), SPEED_TIME
-    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)/([0-9]+(?:\.[0-9]+)?)", value)
-    if not m or float(m[2]) <= 0:
-        raise K3LabError(f"{SPEED_ENV}={value!r}: give BYTES/SECONDS, e.g. 16384/60")
-    return float(m[1]), float(m[2])
-
-
-def progress_that_counts() -> int:
-    """Bytes a transfer must bring to count as progress (a window's worth at the minimum rate): a
-    trickle never does, so it never starts the retry budget's clock again."""
-    rate, window = speed_limit()
-    return max(1, int(rate * window))
-
-
-class _Watched(httpx2.SyncByteStream):
-    """An answer's body, cut at ``limit`` bytes and failed when slower than the minimum rate. An API
-    answer is decoded here (``wbits``), its decoded bytes bounded as they come (a gzip bomb ends at
-    the limit, never after), and a JSON one held whole (``hold``) until its shape is checked."""
-
-    def __init__(self, inner: Any, limit: int | None, url: str, hold: bool = False, wbits: int | None = None):
-        self.inner, self.limit, self.url, self.hold = inner, limit, url, hold
-        self.decoder = zlib.decompressobj(wbits) if wbits is not None else None
-        self.rate, self.window = speed_limit()
-
-    def __iter__(self) -> Iterator[bytes]:
-        if not self.hold:
-            yield from self._bounded(self._decoded())
-            return
-        body = b"".join(self._bounded(self._decoded()))
-        _check_shape(body, self.url)
-        yield body
-
-    def _decoded(self) -> Iterator[bytes]:
-        if self.decoder is None:
-            yield from self.inner
-            return
-        room = (self.limit or API_LIMIT) + 1
-        for chunk in self.inner:
-            data = chunk
-            while data:
-                out = self.decoder.decompress(data, room)
-                room -= len(out)
-                if room <= 0:
-                    raise WrongAnswer(f"{self.url}: the answer decodes to more than {self.limit} bytes")
-                yield out
-                data = self.decoder.unconsumed_tail
-        yield self.decoder.flush()
-
-    def _bounded(self, chunks: Any) -> Iterator[bytes]:
-        total = 0
-        start, at_start = CLOCK.now(), 0
-        for chunk in chunks:
-            total += len(chunk)
-            if self.limit is not None and total > self.limit:
-                raise WrongAnswer(f"{self.url}: the answer is longer than the {self.limit} bytes it may be")
-            now = CLOCK.now()
-            if now - start >= self.window:
-                if total - at_start < self.rate * self.window:
-                    raise TooSlow(
-                        f"{self.url}: {total - at_start} bytes in {now - start:.0f} s, below the minimum "
-                        f"rate of {self.rate:.0f} bytes/s ({SPEED_ENV})"
-                    )
-                start, at_start = now, total
-            yield chunk
-
-    def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if close is not None:
-            close()
 
 
 ANSWERED: set[str] = (
@@ -169,23 +106,11 @@ class BoundedTransport(httpx2.BaseTransport):
         if response.status_code >= 400:  # an error's text: read whole by huggingface_hub to raise it
             limit = min(limit if limit is not None else ERROR_LIMIT, ERROR_LIMIT)
         json_answer = "json" in response.headers.get("Content-Type", "") and response.status_code < 400
-        response.stream = _Watched(response.stream, limit, url, api and json_answer, wbits)
+        response.stream = WatchedBody(response.stream, limit, url, api and json_answer, wbits)
         return response
 
     def close(self) -> None:
         self.inner.close()
-
-
-def _check_shape(body: bytes, url: str) -> None:
-    """An API answer's JSON bounded in depth, values and objects before anything parses it."""
-    from k3lab.formats.files import MAX_DEPTH, json_shape
-
-    depth, commas, objects = json_shape(body)
-    if depth > MAX_DEPTH or commas >= API_ITEMS or objects > API_OBJECTS:
-        raise WrongAnswer(
-            f"{url}: an answer of {commas + 1} values and {objects} objects nested {depth} deep; "
-            f"k3lab reads at most {API_ITEMS}, {API_OBJECTS} and {MAX_DEPTH}"
-        )
 
 
 def _length(response: httpx2.Response) -> int | None:
@@ -214,6 +139,7 @@ def install() -> None:
 
         def factory() -> httpx2.Client:
             client = _http.default_client_factory()
+            pace_uploads(client._transport)
             client._transport = BoundedTransport(client._transport)
             return client
 

@@ -152,8 +152,17 @@ def published(
     return rec
 
 
+RACES = 5  # commits tried when the branch keeps moving between reading it and committing
+
+
+class _HeadMoved(K3LabError):
+    """The branch moved since the repo was read (the Hub answered 412 to our parent commit)."""
+
+
 class Committer:
-    """Commits uploaded files as they arrive: a batch at a time, with the repo's manifest."""
+    """Commits uploaded files as they arrive: a batch at a time, with the repo's manifest. A commit
+    that carries files beside the set (the card) is made on the branch's head as read just before,
+    so a file a collaborator committed meanwhile (their README.md) is seen, and kept."""
 
     def __init__(
         self,
@@ -180,6 +189,10 @@ class Committer:
         if time.monotonic() - self.last >= self.every:
             self.commit()
 
+    def _theirs(self, name: str) -> bool:
+        """Whether the repo's ``name`` (as last read) is a file k3lab did not make."""
+        return name in self.state.files and self.state.files[name] != self.made.get(name)
+
     def manifest(self) -> bytes:
         recs = sorted(self.records.values(), key=lambda r: (not r.is_text, r.number, r.file))
         return manifest_bytes(recs, Published(self.target.repo, self.target.branch, self.made))
@@ -188,10 +201,24 @@ class Committer:
         """One commit of what is pending (with the manifest, and ``extra`` files); None if nothing.
         An extra file the repo holds that k3lab did not make (a user's README.md) is kept, unless
         ``force``."""
-        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
-
         self.last = time.monotonic()
-        extra = {k: v for k, v in (extra or {}).items() if self.force or not self.state.theirs(k)}
+        for _ in range(RACES):
+            if extra:  # the repo as it is now: a collaborator may have committed a README meanwhile
+                fresh = read_repo(self.target)
+                self.state.commit, self.state.files = fresh.commit, fresh.files
+            try:
+                return self._commit(extra or {}, message)
+            except _HeadMoved:
+                continue  # another commit landed between the read and ours: read again
+        raise PublishError(
+            f"{self.target.where('commit')}: the branch kept moving under {RACES} attempts to commit; run again"
+        )
+
+    def _commit(self, extra: dict[str, bytes], message: str) -> str | None:
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+        from huggingface_hub.errors import HfHubHTTPError
+
+        extra = {k: v for k, v in extra.items() if self.force or not self._theirs(k)}
         self.made.update({name: f"git-{git_blob_id(data)}" for name, data in extra.items()})
         regular = {MANIFEST_NAME: self.manifest(), **extra}
         if (
@@ -210,13 +237,23 @@ class Committer:
             message or f"k3lab: {files} file{'s' if files != 1 else ''} of {self.target.repo.split('/')[-1]}"
         )
         api = self.target.api()
-        info = with_retries(
-            self.target.where("commit"),
-            lambda: api.create_commit(
-                self.target.repo, operations=ops, commit_message=summary, revision=self.target.branch
-            ),
-            self.target.retry_budget,
-        )
+        parent = self.state.commit if extra else None  # (the Hub refuses it if the branch moved: 412)
+
+        def create() -> Any:
+            try:
+                return api.create_commit(
+                    self.target.repo,
+                    operations=ops,
+                    commit_message=summary,
+                    revision=self.target.branch,
+                    parent_commit=parent,
+                )
+            except HfHubHTTPError as e:
+                if parent and getattr(e.response, "status_code", None) == 412:
+                    raise _HeadMoved() from None
+                raise
+
+        info = with_retries(self.target.where("commit"), create, self.target.retry_budget)
         for op in self.pending:
             self.state.files[op.path_in_repo] = op.upload_info.sha256.hex()
         for path in self.stale:

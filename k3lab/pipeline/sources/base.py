@@ -280,7 +280,9 @@ class Source(abc.ABC):
 
     def rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Rows ``[start, stop)`` of a tensor (its first axis), read-only: what a view shows of it.
-        The Hub source reads only those bytes (``hub``); here they are mapped."""
+        The Hub source reads only those bytes (``hub``); here they are mapped. Rows are counted from
+        0, never from the end (as the Hub source counts them)."""
+        _row_range(self.entry(name), start, stop)  # (the check: a negative row is one line)
         return self.array(name)[start:stop]
 
     def array(self, name: str) -> np.ndarray:
@@ -330,7 +332,11 @@ class Source(abc.ABC):
 
 
 def _row_range(e: TensorEntry, start: int, stop: int | None) -> tuple[int, int]:
-    """The byte range (within a tensor's data) of rows ``[start, stop)``."""
+    """The byte range (within a tensor's data) of rows ``[start, stop)``: never wrapped around (a
+    negative row would read the bytes before the tensor: another tensor's), past the end cut short."""
+    for value in (start, stop):
+        if value is not None and (isinstance(value, bool) or not hasattr(value, "__index__") or value < 0):
+            raise SourceError(f"{e.file}: tensor {e.name}: rows [{start}, {stop}): give rows from 0 on")
     rows = e.shape[0] if e.shape else 1
     stop = rows if stop is None else min(stop, rows)
     start = min(max(start, 0), stop)
