@@ -20,11 +20,21 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 venv:
 	@if [ -n "$(VENV)" ] && [ ! -x "$(PY)" ]; then python3 -m venv "$(VENV)"; fi
 
-demo: venv
-	$(PY) -m pip install -e . && k3lab demo
+# pip runs when pyproject.toml changed since the last install into this environment (the package is
+# installed editable: code changes need none), so a second `make demo` takes the demo's seconds
+STAMPS := $(if $(VENV),$(VENV),$(VIRTUAL_ENV))
 
-test: venv
-	$(PY) -m pip install -e '.[test,llama]' && $(PY) -m pytest
+$(STAMPS)/.k3lab-installed: pyproject.toml | venv
+	$(PY) -m pip install -e . && touch $@
+
+$(STAMPS)/.k3lab-installed-test: pyproject.toml | venv
+	$(PY) -m pip install -e '.[test,llama]' && touch $@ $(STAMPS)/.k3lab-installed
+
+demo: $(STAMPS)/.k3lab-installed
+	k3lab demo
+
+test: $(STAMPS)/.k3lab-installed-test
+	$(PY) -m pytest
 
 test-slow: venv
 	$(PY) -m pytest -m slow

@@ -52,7 +52,9 @@ def _convert(req: Request, args: argparse.Namespace) -> int:
     results = request.convert(req, None if req.quiet else _say)
     written = [r for r in results if not r.skipped]
     workers = sorted({r.worker for r in written})
-    where = f"published to {req.push_to}@{req.push_branch or 'main'}" if req.push_to else f"in {req.out_dir}"
+    branch = req.push_branch or "main"
+    check = f"k3lab verify {req.push_to}" + (f" --revision {branch}" if branch != "main" else "")
+    where = f"published to {req.push_to}@{branch} (check it: {check})" if req.push_to else f"in {req.out_dir}"
     print(
         f"{len(written)} written, {len(results) - len(written)} already complete; "
         f"{human_bytes(sum(r.nbytes for r in results))} {where}"

@@ -50,14 +50,19 @@ def scale_histograms(counts: dict[tuple[int, str], np.ndarray]) -> Figure:
     return fig
 
 
+# the 16 codes in the order of their values, -6 to +6: sign bit 8, then E2M1 magnitude (codes 15..8
+# are -6..-0, codes 0..7 are +0..+6), so a bell around 0 is drawn as one
+BY_VALUE = [*range(15, 7, -1), *range(8)]
+
+
 def code_histogram(codes: np.ndarray, title: str = "FP4 (E2M1) codes") -> Figure:
-    counts = np.bincount(codes.ravel(), minlength=16)
-    labels = [f"{'-' if c & 8 else '+'}{E2M1_VALUES[c & 7]:g}" for c in range(16)]
+    counts = np.bincount(codes.ravel(), minlength=16)[BY_VALUE]
+    labels = [f"{'-' if c & 8 else '+'}{E2M1_VALUES[c & 7]:g}" for c in BY_VALUE]
     fig = Figure(figsize=(8, 3.2), layout="constrained")
     ax = fig.subplots()
-    ax.bar(range(16), counts / counts.sum(), color=["tab:blue"] * 8 + ["tab:orange"] * 8)
+    ax.bar(range(16), counts / max(1, counts.sum()), color=["tab:orange"] * 8 + ["tab:blue"] * 8)
     ax.set_xticks(range(16), labels, rotation=45)
-    ax.set_xlabel("code: sign and E2M1 magnitude")
+    ax.set_xlabel("value of the code (sign and E2M1 magnitude), before the block's scale")
     ax.set_ylabel("fraction of values")
     ax.set_title(title)
     return fig

@@ -210,8 +210,7 @@ def convert(req: Request, say: Say | None = None, run_token: str | None = None) 
         raise K3LabError("--out-dir: give the folder to write the set into")
     spec = req.output_source()
     options, line = req.run_options()
-    if say is not None and line:
-        say(line)
+    options = dataclasses.replace(options, note=line or None)  # (said once the inputs are checked)
     return convert_shards(
         req.load_model(),
         spec,

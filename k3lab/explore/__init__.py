@@ -26,7 +26,14 @@ from k3lab.explore.parameters import check_index, check_parameters
 from k3lab.explore.paths import HOME_ENV, home, resolve, save_result
 from k3lab.explore.sets import manifest_summary, repo_summary, verify
 from k3lab.explore.tables import html_table
-from k3lab.kimi_k3.explore.scales import PROJ_NAMES, ScaleStats, expert_codes, first_block, scale_stats
+from k3lab.kimi_k3.explore.scales import (
+    PROJ_NAMES,
+    ScaleStats,
+    expert_codes,
+    first_block,
+    moe_layers,
+    scale_stats,
+)
 from k3lab.kimi_k3.explore.vision import image_way_in, tokenize_with_merges, vision_blocks, weight_stats
 
 __all__ = [
@@ -49,6 +56,7 @@ __all__ = [
     "html_table",
     "make_mmproj",
     "manifest_summary",
+    "moe_layers",
     "open_checkpoint",
     "open_conversion",
     "output_file",

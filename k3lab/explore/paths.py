@@ -17,7 +17,7 @@ def home() -> Path:
     env = os.environ.get(HOME_ENV)
     if env:
         return Path(env)
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]  # (k3lab/explore/paths.py -> the checkout)
     return repo if (repo / "notebooks").is_dir() and (repo / "pyproject.toml").is_file() else Path.cwd()
 
 

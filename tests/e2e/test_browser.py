@@ -207,6 +207,17 @@ def test_a_person_runs_and_saves_each_notebook(lab, browser, name: str) -> None:
         "&& e.getBoundingClientRect().right > window.innerWidth + 1).length;"
     )
     assert too_wide == 0
+    if name.startswith(
+        "01"
+    ):  # the shard's table readable at a glance: a line per row, 15 rows or more in view
+        shown = d.execute_script(
+            "const box = [...document.querySelectorAll('.jp-OutputArea-output div')].find(e => "
+            "e.style.overflow === 'auto' && e.querySelector('table')); if (!box) return -1;"
+            "box.scrollIntoView(); const b = box.getBoundingClientRect();"
+            "return [...box.querySelectorAll('tbody tr')].filter(r => { const q = r.getBoundingClientRect();"
+            " return q.top >= b.top && q.bottom <= b.bottom + 1; }).length;"
+        )
+        assert shown >= 15, f"01's table shows {shown} rows at once"
     for i, at in enumerate((0.0, 0.35, 0.7)):  # the top, the middle and further down, as a reader scrolls
         d.execute_script(
             PANEL

@@ -183,6 +183,7 @@ def test_a_minute_of_outage_is_ridden_out(
     assert not list((tmp_path / "scratch").iterdir())
 
 
+@pytest.mark.slow  # (20 s; the budget's arithmetic is test_retry's, a dead uplink's test_uploads')
 def test_an_outage_longer_than_the_budget_lists_every_failed_file(tiny_src: Path, tmp_path: Path) -> None:
     """Past --retry-budget: exit 1 (the network's fault, not the input's), every file that failed
     listed, no new file begun (each would spend a budget), and how to resume; a rerun once the Hub
@@ -209,7 +210,10 @@ def test_an_outage_longer_than_the_budget_lists_every_failed_file(tiny_src: Path
     assert not list((tmp_path / "scratch").iterdir())
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize(
+    "sig",
+    [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)],  # (SIGTERM: `make test-slow`)
+)
 def test_stopping_the_client_stops_every_task(
     cluster: str, tiny_src: Path, tiny_out: Path, tmp_path: Path, sig: signal.Signals
 ) -> None:
@@ -237,6 +241,7 @@ def test_stopping_the_client_stops_every_task(
         assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
 
 
+@pytest.mark.slow  # (26 s on CI's 2 cores)
 def test_a_killed_download_is_removed_by_the_next_task(
     cluster: str, tiny_src: Path, tiny_out: Path, tmp_path: Path
 ) -> None:
@@ -351,6 +356,7 @@ def test_one_byte_bar_moves_while_the_cluster_works(cluster: str, tiny_src: Path
     assert not any("Trying to resume" in f or "Error while downloading" in f for f in frames)
 
 
+@pytest.mark.slow  # (16 s; a pipelining property, also measured by the benchmarks)
 def test_a_worker_is_a_pipeline_within_its_disk_budget(
     tiny_src: Path, tiny_out: Path, tmp_path: Path
 ) -> None:

@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from conftest import PER_LAYER, run_cli
 from dask_helpers import dask_cluster
 from hub_server import HubServer
@@ -138,6 +139,7 @@ def test_token_is_honoured(tiny_src: Path, tmp_path: Path) -> None:
         assert r.returncode == 0, r.stderr[-2000:]
 
 
+@pytest.mark.slow  # (12 s; Dask workers streaming from the Hub: also test_layouts' and test_publish's)
 def test_every_dask_worker_streams_its_own_shards_from_the_hub(
     tiny_src: Path, tiny_out: Path, tmp_path: Path
 ) -> None:
@@ -163,6 +165,7 @@ def test_every_dask_worker_streams_its_own_shards_from_the_hub(
         assert any(r[0] == "GET" and ".safetensors" in r[1] for r in hub.requests)
 
 
+@pytest.mark.slow  # (11 s; streaming with faults stays in the default run)
 def test_hub_streaming_with_jobs_gives_the_local_bytes(
     tiny_src: Path, tiny_out: Path, tmp_path: Path
 ) -> None:

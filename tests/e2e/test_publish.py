@@ -80,6 +80,15 @@ def test_workers_that_share_nothing_publish_the_set(
         )
         assert r.returncode == 0, r.stderr[-3000:]
         assert "9 written" in r.stdout and "written by 2 processes" in r.stdout, r.stdout
+        assert f"published to {TARGET}@main (check it: k3lab verify {TARGET})" in r.stdout, r.stdout
+        # the next step from where the user stands: the folder holds no set, and says where it is
+        here = run_cli(_env(hub, tmp_path), "verify", str(tmp_path / "out"))
+        assert here.returncode == 2 and here.stderr.strip().splitlines() == [
+            f"k3lab: error: {tmp_path / 'out'}: holds none of the set's 11 files: they were published to "
+            f"{TARGET}@main and not kept here (--keep-local keeps them); check them there: k3lab verify {TARGET}"
+        ], here.stderr
+        there = run_cli(_env(hub, tmp_path), "verify", TARGET)
+        assert there.returncode == 0 and "verify OK: 11 files" in there.stdout, there.stdout + there.stderr
         # the repo holds the set, byte for byte the local conversion's
         pushed = _repo_ggufs(hub)
         singles = ["Kimi-K3-tokenizer.gguf", "mmproj-Kimi-K3-BF16.gguf"]  # made by the client, beside the set

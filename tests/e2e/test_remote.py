@@ -290,11 +290,15 @@ def test_the_readmes_papermill_line_runs_verbatim(tmp_path: Path, hub_env: HubSe
         ln for ln in readme.splitlines() if ln.startswith("papermill notebooks/02-mxfp4-scales.ipynb")
     )
     cmd = re.sub(r"^papermill notebooks/", f"{Path(sys.executable).parent}/papermill {ROOT}/notebooks/", line)
+    cmd = cmd.replace(" /tmp/", f" {tmp_path}/")  # (the line's scratch place, here the test's own)
+    before = sorted(p.name for p in ROOT.iterdir())
     r = subprocess.run(
-        cmd, shell=True, cwd=tmp_path, env=dict(os.environ), capture_output=True, text=True, timeout=300
+        cmd, shell=True, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=300
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "k3-meta" / "config.json").exists()  # the metadata fetched where it says
+    assert (tmp_path / "02-on-the-hub.ipynb").exists()
+    assert sorted(p.name for p in ROOT.iterdir()) == before  # run from the clone, nothing left in it
     assert _served_shards(hub_env)  # read from the (loopback) Hub
 
 

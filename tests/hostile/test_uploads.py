@@ -126,7 +126,7 @@ def test_a_readme_a_collaborator_commits_during_the_run_is_kept(tiny_src: Path, 
     """The card goes in at the run's last commit; the repo's README.md, committed by someone else
     after the run began, is theirs: kept, and the run says nothing false about it."""
     with HubServer(tiny_src, token=TOKEN) as hub:
-        hub.throttle = 300_000
+        hub.throttle = 1_000_000  # (the run goes on for seconds after its first upload)
         run = subprocess.Popen(
             [
                 sys.executable,

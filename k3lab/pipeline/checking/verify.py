@@ -19,6 +19,7 @@ import gguf
 import numpy as np
 from tqdm import tqdm
 
+from k3lab.errors import K3LabError
 from k3lab.pipeline.checking.by_tensor import kit_view, verify_by_tensors
 from k3lab.pipeline.checking.report import Report
 from k3lab.pipeline.model import Model
@@ -52,6 +53,21 @@ def load_manifest(out_dir: Path, manifest: str | Path | None) -> list[Record]:
     return records
 
 
+def _not_here(folder: OutputFolder, out_dir: Path, manifest: str | Path | None, every: list[Record]) -> None:
+    """A folder holding none of its set, published and not kept here: one line, where to check it."""
+    path = Path(manifest) if manifest else folder.manifest
+    if not every or any((out_dir / r.file).exists() for r in every) or not path.exists():
+        return
+    if (published := folder.records.manifest(path).published) is None:
+        return
+    branch = "" if published.branch == "main" else f" --revision {published.branch}"
+    raise K3LabError(
+        f"{out_dir}: holds none of the set's {len(every)} files: they were published to "
+        f"{published.repo}@{published.branch} and not kept here (--keep-local keeps them); check them "
+        f"there: k3lab verify {published.repo}{branch}"
+    )
+
+
 def _split_fields(path: Path) -> dict[str, int]:
     r = gguf.GGUFReader(path)
     out = {}
@@ -80,11 +96,11 @@ def verify(
     still in progress). The work is bounded by the records and the files present, never by a count
     a manifest claims."""
     out_dir = Path(out_dir)
-    kit = kit_view(manifest)
-    if kit is not None:
+    if (kit := kit_view(manifest)) is not None:
         return verify_by_tensors(out_dir, kit, choice)
     folder = OutputFolder(out_dir)
     every = load_manifest(out_dir, manifest)
+    _not_here(folder, out_dir, manifest, every)
     if only is not None:
         missing = sorted(only - {r.file for r in every})
         if missing:
@@ -102,7 +118,7 @@ def verify(
     count = texts[0].split_count if texts else 0
     n_tensors = texts[0].split_tensors if texts else 0
     _check_set(folder, model, texts, count, n_tensors, report, complete=only is None)
-    total = sum(r.size for r in records + others)
+    total = sum(r.size for r in records + others if (out_dir / r.file).is_file())  # (what is read)
     bar = tqdm(
         total=total,
         unit="B",
@@ -140,7 +156,9 @@ def verify(
             if choice is not None
             else None
         )
+        at = bar.n
         found = check_bytes(path, rec, bar.update, chosen)
+        bar.update(max(0, at + rec.size - bar.n))  # (its header and padding too: the bar ends at 100%)
         if not found or found[0].kind not in WHOLE_FILE:
             report.tensors += len(rec.tensors) if chosen is None else len(chosen)
         if not rec.is_text or (found and found[0].kind == "junk"):

@@ -30,6 +30,7 @@ class RunOptions:
     chat_template: str | None = None
     force: bool = False
     split: Split | None = None  # how the set is cut into files (None: as the folder's plan has it)
+    note: str | None = None  # a line to say once every input is checked (which chat template goes in)
 
 
 def prepare(
@@ -57,7 +58,11 @@ def prepare(
     ):
         return saved, None
     bar = tqdm(
-        desc="planning", unit="shard", disable=True if say is None else None, leave=False, dynamic_ncols=True
+        desc="planning: headers read",
+        unit=" file",
+        disable=True if say is None else None,
+        leave=False,
+        dynamic_ncols=True,
     )
 
     def planned(done: int, total: int) -> None:
@@ -114,6 +119,8 @@ def start_run(
     holding the lock."""
     options = options or RunOptions()
     plan, kvs = prepare(model, spec, out_dir, options, say)
+    if say is not None and options.note:
+        say(options.note)  # (after the checks: a run that fails says its one line, nothing before it)
     numbers = (
         output_files(",".join(str(k) for k in shards) or "-", len(plan.files))
         if isinstance(shards, list)
