@@ -289,8 +289,8 @@ def test_the_readmes_papermill_line_runs_verbatim(tmp_path: Path, hub_env: HubSe
     line = next(
         ln for ln in readme.splitlines() if ln.startswith("papermill notebooks/02-mxfp4-scales.ipynb")
     )
+    line = line.replace(" /tmp/", f" {tmp_path}/")  # (the line's scratch place, here the test's own)
     cmd = re.sub(r"^papermill notebooks/", f"{Path(sys.executable).parent}/papermill {ROOT}/notebooks/", line)
-    cmd = cmd.replace(" /tmp/", f" {tmp_path}/")  # (the line's scratch place, here the test's own)
     before = sorted(p.name for p in ROOT.iterdir())
     r = subprocess.run(
         cmd, shell=True, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=300
