@@ -239,9 +239,14 @@ def test_a_person_runs_and_saves_each_notebook(lab, browser, name: str) -> None:
         else:
             field.clear()
             field.send_keys(value + "\n")
+        from selenium.common.exceptions import StaleElementReferenceException
+
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            after = [e.get_attribute("src") or e.text for e in _here(d, watched)]
+            try:
+                after = [e.get_attribute("src") or e.text for e in _here(d, watched)]
+            except StaleElementReferenceException:  # (replaced while read: the redraw under way)
+                after = before
             if after != before:
                 break
             time.sleep(0.25)

@@ -127,17 +127,6 @@ class TooSlowUp(httpx2.WriteTimeout):
     """A request body (an upload) sent below the minimum rate for a whole window: a timeout."""
 
 
-def _socket_stream() -> type | None:
-    try:
-        from httpcore2._backends.sync import SyncStream
-    except ImportError:  # (another httpcore: writes then go unpaced, as they would)
-        return None
-    return SyncStream
-
-
-_SOCKET_STREAM = _socket_stream()
-
-
 class PacedStream:
     """A connection whose writes (request bodies: uploads) are held to the minimum rate, as
     ``_Watched`` holds answers: the socket's wait is cut at the end of each window, and a window
@@ -154,7 +143,9 @@ class PacedStream:
 
         # only a stream that writes to its socket itself (plain TCP, or TLS on it): a proxy's TLS in
         # TLS writes through another TLS layer, which its socket would bypass
-        sock = self.inner.get_extra_info("socket") if type(self.inner) is _SOCKET_STREAM else None
+        kind = type(self.inner)  # (httpx2's own plain stream, known by name: httpcore2 is httpx2's to import)
+        plain = (kind.__module__, kind.__name__) == ("httpcore2._backends.sync", "SyncStream")
+        sock = self.inner.get_extra_info("socket") if plain else None
         if sock is None:
             return self.inner.write(buffer, timeout)
         view = memoryview(buffer)
