@@ -128,3 +128,18 @@ def test_a_misspelt_folder_or_an_unreachable_hub_is_one_line_at_once(tmp_path: P
             lines = done.stderr.strip().splitlines()
             assert done.returncode == 1 and len(lines) == 1, (endpoint, args, done.stderr)
             assert "no Hub reachable" in lines[0] and why in lines[0] and "HF_ENDPOINT" in lines[0], lines[0]
+
+
+def test_a_failing_convert_says_one_line_and_no_note_before_it(tiny_src: Path, tmp_path: Path) -> None:
+    """The chat-template note is said once the inputs are checked: a run that fails on an input says
+    its one line, nothing before it."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_src, src)
+    shard = sorted(src.glob("*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:100])
+    r = run_cli(None, "convert", "--meta", str(src), "--out-dir", str(tmp_path / "out"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and shard.name in r.stderr, r.stderr
+    ok = run_cli(None, "convert", "--meta", str(tiny_src), "--out-dir", str(tmp_path / "ok"))
+    assert ok.returncode == 0 and ok.stderr.startswith("k3lab: chat template: none"), ok.stderr

@@ -120,3 +120,53 @@ def test_helpers_never_wrap_an_index(tiny_src: Path, tmp_path: Path) -> None:
         explore.first_block(source, 1, "w2", 0, block=-1)
     with pytest.raises(K3LabError, match="layer 0: no routed experts"):  # (layer 0 is dense)
         explore.expert_codes(source, 0, "w2", 0)
+
+
+def test_a_layers_list_with_no_moe_layer_is_one_line(tiny_src: Path) -> None:
+    cfg, _ = explore.open_checkpoint(tiny_src)
+    assert explore.moe_layers(cfg, [99, 0, 1]) == [1]  # past the end and dense: left out, as printed
+    with pytest.raises(
+        K3LabError, match=r"^notebook parameter layers=\[0, 99\]: this checkpoint has \d+ layers"
+    ):
+        explore.moe_layers(cfg, [0, 99])
+
+
+def test_notebook_paths_start_at_the_repository(monkeypatch, tmp_path: Path) -> None:
+    """Without K3LAB_HOME, relative notebook paths start at the checkout k3lab runs from, whatever
+    the working folder (they fell back to it when the module moved a level down)."""
+    monkeypatch.delenv("K3LAB_HOME", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert explore.home() == ROOT and explore.resolve("k3-demo/src") == ROOT / "k3-demo" / "src"
+
+
+def test_tables_read_at_a_glance_and_codes_in_value_order() -> None:
+    from k3lab.plots import code_histogram
+
+    table = explore.html_table([{"tensor": "blk.0.attn_q.weight", "shape": [7168, 2048], "bytes": 29360128}])
+    assert "<td>[7168, 2048]</td>" in table and "<td style='text-align:right'>29,360,128</td>" in table
+    assert "<table style='white-space:nowrap'>" in table
+    codes = np.array([0, 8, 15, 7, 1, 1])  # +0, -0, -6, +6, +0.5, +0.5
+    ax = code_histogram(codes).axes[0]
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels == [
+        "-6",
+        "-4",
+        "-3",
+        "-2",
+        "-1.5",
+        "-1",
+        "-0.5",
+        "-0",
+        "+0",
+        "+0.5",
+        "+1",
+        "+1.5",
+        "+2",
+        "+3",
+        "+4",
+        "+6",
+    ]
+    heights = [round(p.get_height(), 3) for p in ax.patches]
+    assert heights[0] == heights[7] == heights[8] == heights[15] == round(1 / 6, 3) and heights[9] == round(
+        2 / 6, 3
+    )

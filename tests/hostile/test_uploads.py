@@ -84,11 +84,16 @@ QUICK_PUTS = (
 )
 
 
+def _push_args(tmp: Path) -> list[str]:
+    """`convert` from the loopback Hub, a layer per file, each published to TARGET."""
+    out = ["convert", "--repo", SOURCE, "--meta", str(tmp / "meta"), "--out-dir", str(tmp / "out")]
+    return [*out, *PER_LAYER, "--push-to", TARGET, "--quiet"]
+
+
 def _push(hub: HubServer, tmp: Path, *extra: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = hub.client_env(tmp, TOKEN) | {"K3LAB_SPEED_LIMIT": "1000/2"}
-    args = ["convert", "--repo", SOURCE, "--meta", str(tmp / "meta"), "--out-dir", str(tmp / "out")]
     return subprocess.run(
-        [sys.executable, "-c", QUICK_PUTS, *args, *PER_LAYER, "--push-to", TARGET, "--quiet", *extra],
+        [sys.executable, "-c", QUICK_PUTS, *_push_args(tmp), *extra],
         env=env,
         capture_output=True,
         text=True,
@@ -128,22 +133,7 @@ def test_a_readme_a_collaborator_commits_during_the_run_is_kept(tiny_src: Path, 
     with HubServer(tiny_src, token=TOKEN) as hub:
         hub.throttle = 1_000_000  # (the run goes on for seconds after its first upload)
         run = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "k3lab.cli",
-                "convert",
-                "--repo",
-                SOURCE,
-                "--meta",
-                str(tmp_path / "meta"),
-                "--out-dir",
-                str(tmp_path / "out"),
-                *PER_LAYER,
-                "--push-to",
-                TARGET,
-                "--quiet",
-            ],
+            [sys.executable, "-m", "k3lab.cli", *_push_args(tmp_path)],
             env=hub.client_env(tmp_path, TOKEN),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

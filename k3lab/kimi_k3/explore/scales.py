@@ -40,12 +40,10 @@ def _is_index(value: Any) -> bool:
 def moe_layers(cfg: Any, layers: list[int]) -> list[int]:
     """The layers of ``layers`` that have routed experts (a dense layer, or one past the model's
     end, is left out, as the notebook says and prints); none left is one line naming the parameter."""
-    from k3lab.explore.parameters import ParameterError
-
     have = [layer for layer in range(cfg.n_layer) if cfg.is_moe(layer)]
     if not any(layer in have for layer in layers):
         span = f"MoE layers {have[0]} to {have[-1]}" if have else "no MoE layer"
-        raise ParameterError(
+        raise K3LabError(
             f"notebook parameter layers={layers!r}: this checkpoint has {cfg.n_layer} layers, {span}"
         )
     return [layer for layer in layers if layer in have]

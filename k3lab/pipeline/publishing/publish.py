@@ -173,7 +173,9 @@ class Committer:
         force: bool = False,
     ):
         self.target, self.state, self.every, self.force = target, state, every, force
-        self.made: dict[str, str] = dict(state.made)
+        # what k3lab made beside the set, kept in the state its ``theirs`` reads (updated as it commits)
+        state.made = dict(state.made)
+        self.made: dict[str, str] = state.made
         self.records: dict[str, Record] = dict(state.records)
         self.pending: list[Any] = []
         self.stale = list(stale)  # files of another set to delete (--force)
@@ -188,10 +190,6 @@ class Committer:
             self.uploaded += 1
         if time.monotonic() - self.last >= self.every:
             self.commit()
-
-    def _theirs(self, name: str) -> bool:
-        """Whether the repo's ``name`` (as last read) is a file k3lab did not make."""
-        return name in self.state.files and self.state.files[name] != self.made.get(name)
 
     def manifest(self) -> bytes:
         recs = sorted(self.records.values(), key=lambda r: (not r.is_text, r.number, r.file))
@@ -218,7 +216,7 @@ class Committer:
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
         from huggingface_hub.errors import HfHubHTTPError
 
-        extra = {k: v for k, v in extra.items() if self.force or not self._theirs(k)}
+        extra = {k: v for k, v in extra.items() if self.force or not self.state.theirs(k)}
         self.made.update({name: f"git-{git_blob_id(data)}" for name, data in extra.items()})
         regular = {MANIFEST_NAME: self.manifest(), **extra}
         if (
