@@ -377,11 +377,12 @@ def batch(
     import time
     import uuid
 
-    from k3lab.pipeline.running.batch import CELL_TIMEOUT, NOTEBOOK_TIMEOUT
+    from k3lab.pipeline.running.batch import CELL_TIMEOUT, NOTEBOOK_TIMEOUT, declared_parameters
     from k3lab.pipeline.running.runner import run_notebooks
 
     if not Path(notebook).is_file():
         raise K3LabError(f"{notebook}: notebook not found (the repository's are in notebooks/)")
+    declared_parameters(notebook)  # (before anything is written: one that cannot run per file is refused)
     options, _ = req.run_options()
     run_dir = Path(runs_dir) / (run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
     results = run_notebooks(

@@ -10,7 +10,15 @@ notebook's parameters checked as the CLI checks flags). A notebook imports ``k3l
 
 from __future__ import annotations
 
-from k3lab.explore.layouts import derive_tensor, first_mxfp4_layer, output_file, planned_by_source, shard_rows
+from k3lab.explore.layouts import (
+    derive_tensor,
+    file_layers,
+    first_mxfp4_layer,
+    first_shard,
+    output_file,
+    planned_by_source,
+    shard_rows,
+)
 from k3lab.explore.live import live_view
 from k3lab.explore.opening import (
     check_vision,
@@ -32,6 +40,7 @@ from k3lab.kimi_k3.explore.scales import (
     expert_codes,
     first_block,
     moe_layers,
+    nearest_moe_layers,
     scale_stats,
 )
 from k3lab.kimi_k3.explore.vision import image_way_in, tokenize_with_merges, vision_blocks, weight_stats
@@ -49,7 +58,9 @@ __all__ = [
     "expert_codes",
     "fetched",
     "first_block",
+    "file_layers",
     "first_mxfp4_layer",
+    "first_shard",
     "home",
     "image_way_in",
     "live_view",
@@ -57,6 +68,7 @@ __all__ = [
     "make_mmproj",
     "manifest_summary",
     "moe_layers",
+    "nearest_moe_layers",
     "open_checkpoint",
     "open_conversion",
     "output_file",

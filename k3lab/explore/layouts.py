@@ -24,6 +24,20 @@ def output_file(plan: Plan, number: Any) -> PlannedFile:
     return plan.file(_number(number, len(plan.files), "file"))
 
 
+def first_shard(plan: Plan, source: Source, number: Any) -> int:
+    """The source shard (1-based) output file ``number`` reads first: what a batch run of notebook 01
+    opens for that file."""
+    pf = output_file(plan, number)
+    files = source.files()
+    return files.index(pf.sources[0].file) + 1 if pf.sources and pf.sources[0].file in files else 1
+
+
+def file_layers(plan: Plan, number: Any) -> list[int]:
+    """The model's layers output file ``number`` holds (its other units, the embedding or the head,
+    left out)."""
+    return [u for u in output_file(plan, number).units if isinstance(u, int)]
+
+
 def first_mxfp4_layer(plan: Plan, pf: PlannedFile) -> int | None:
     """The first layer of ``pf`` whose routed experts are MXFP4 (the block a notebook draws), or None."""
     for t in pf.tensors:

@@ -103,7 +103,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
         values.revision, "give a branch, tag or commit (letters, digits, '.', '_', '/', '+', '-')"
     ),
     "shard": _whole(1),
-    "file": _whole(1),
+    "file": _whole(1, optional=True),
     "layers": _layers,
     "proj": _one_of("w1", "w2", "w3"),
     "expert": _whole(0),

@@ -21,7 +21,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from k3lab.util import human_bytes
+from tqdm.auto import tqdm  # a widget bar in a notebook, a text bar on a terminal
+
+from k3lab.util import si_bytes
 
 CHECK_EVERY = 0.5  # seconds between two asks of ``stop`` (a Dask Event is a round trip)
 
@@ -99,6 +101,23 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def byte_bar(total: int, desc: str, disable: bool | None) -> Any:
+    """A bar of bytes, as every k3lab bar is: SI units (tqdm scales a rate by 1000 whatever its
+    ``unit_divisor``: the count beside it must agree), the rate and ETA over the whole run (not its
+    last burst: a download before the first converted byte made an ETA of hours), cut to the
+    terminal's width as it is now. ``disable``: None shows it on a terminal only."""
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1000,
+        smoothing=0,
+        desc=desc,
+        disable=disable,
+        dynamic_ncols=True,
+    )
+
+
 class RunProgress:
     """One byte bar for the whole run, fed with the tasks' messages (``take``)."""
 
@@ -156,9 +175,9 @@ class RunProgress:
         parts = []
         span = max(t - self._t0, 1e-6)
         if self.down:
-            parts.append(f"down {human_bytes(self.down)} at {human_bytes(self.down / span)}/s")
+            parts.append(f"down {si_bytes(self.down)} at {si_bytes(self.down / span)}/s")
         if self.up:
-            parts.append(f"up {human_bytes(self.up)} at {human_bytes(self.up / span)}/s")
+            parts.append(f"up {si_bytes(self.up)} at {si_bytes(self.up / span)}/s")
         if self.retries:
             outage = t - self._retried_at < 15 and "failing for" in self.last_retry
             parts.append(

@@ -145,3 +145,147 @@ def test_a_hung_kernel_is_one_line_and_the_others_go_on(tiny_src: Path, tmp_path
     args[args.index("--run-id") + 1] = "again"
     assert main([*args, "--files", "1-3"]) == 0, capsys.readouterr()
     assert "3 ok, 0 failed" in capsys.readouterr().out
+
+
+def _printed(executed: Path) -> str:
+    nb = json.loads(executed.read_text())
+    return "".join("".join(o.get("text", "")) for c in nb["cells"] for o in c.get("outputs", []))
+
+
+def _injected(executed: Path) -> set[str]:
+    """The names papermill injected into the executed notebook (its cell tagged injected-parameters)."""
+    nb = json.loads(executed.read_text())
+    cell = next(c for c in nb["cells"] if "injected-parameters" in c["metadata"].get("tags", []))
+    return {ln.split(" = ")[0] for ln in "".join(cell["source"]).splitlines() if " = " in ln}
+
+
+def test_batch_runs_the_looking_notebooks_per_output_file(tiny_src: Path, tmp_path: Path, capsys) -> None:
+    """01 opens the shard each output file reads first, 02 shows the MoE layers each holds (a file with
+    none says which layer it shows instead); each is told only the parameters it has (papermill warns
+    of any other); a batch that converts nothing leaves no output folder behind."""
+    for name, files in (("01-tensor-layouts.ipynb", "1,2"), ("02-mxfp4-scales.ipynb", "1,3")):
+        out, runs = tmp_path / f"out-{name[:2]}", tmp_path / "runs"
+        args = _batch_args(tiny_src, out, runs, name[:2])
+        args[args.index("--notebook") + 1] = str(ROOT / "notebooks" / name)
+        code = main([*args, "--files", files])
+        assert code == 0, capsys.readouterr()
+        assert "2 ok, 0 failed" in capsys.readouterr().out
+        first, second = sorted((runs / name[:2]).glob("file-*.ipynb"))
+        assert _injected(first) == {"src", "out_dir", "file"}
+        assert not out.exists()  # (the notebooks only looked: nothing finished, nothing kept)
+        if name.startswith("01"):
+            assert "output file 1: Kimi-K3-MXFP4-00001-of-00009.gguf reads model-00001-of-000011" in _printed(
+                first
+            )
+            assert "Kimi-K3-MXFP4-00002-of-00009.gguf reads model-00002-of-000011" in _printed(second)
+        else:
+            said = "layers [0] hold no routed experts: showing layer 1, the next that has"
+            assert said in _printed(first) and "MoE layers shown: [1];" in _printed(first)
+            assert "MoE layers shown: [2];" in _printed(second) and "hold no" not in _printed(second)
+
+
+def test_batch_refuses_a_notebook_it_cannot_run_per_file(tiny_src: Path, tmp_path: Path, capsys) -> None:
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    args = _batch_args(tiny_src, out, runs, "x")
+    for name, said in (
+        (
+            "04-vision-and-tokenizer.ipynb",
+            "has no 'file' parameter, so it cannot be run once per output file",
+        ),
+        ("05-verify-a-run.ipynb", "has no 'file' parameter"),
+    ):
+        args[args.index("--notebook") + 1] = str(ROOT / "notebooks" / name)
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and name in err[0] and said in err[0], err
+    untagged = tmp_path / "untagged.ipynb"
+    nb = json.loads((ROOT / "notebooks" / "03-convert-shard.ipynb").read_text())
+    for cell in nb["cells"]:
+        cell["metadata"].pop("tags", None)
+    untagged.write_text(json.dumps(nb))
+    args[args.index("--notebook") + 1] = str(untagged)
+    assert main(args) == 2
+    assert "untagged.ipynb: no cell tagged 'parameters'" in capsys.readouterr().err
+    assert not out.exists() and not runs.exists()
+
+
+def test_a_batch_that_finishes_no_file_leaves_no_state(tiny_src: Path, tmp_path: Path, capsys) -> None:
+    """Every notebook fails before converting: exit 1, each named; OUT/ (made by the run) is gone, the
+    executed notebooks are kept as the evidence. A folder that was there stays, with what was in it."""
+    import nbformat
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    at = next(k for k, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])) + 1
+    nb.cells.insert(at, nbformat.v4.new_code_cell("raise RuntimeError('no conversion today')"))
+    failing = tmp_path / "03-failing.ipynb"
+    nbformat.write(nb, failing)
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    args = _batch_args(tiny_src, out, runs, "failing")
+    args[args.index("--notebook") + 1] = str(failing)
+    assert main([*args, "--files", "1-2"]) == 1
+    text = capsys.readouterr().out
+    assert "0 ok, 2 failed" in text and text.count("RuntimeError: no conversion today") == 2, text
+    assert not out.exists()
+    assert len(list((runs / "failing").glob("file-*.ipynb"))) == 2
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    args[args.index("--run-id") + 1] = "failing-again"
+    assert main([*args, "--files", "1-2"]) == 1
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.slow  # (about 8 minutes on 2 cores: `make test-slow`)
+def test_every_notebook_many_times_under_load_never_waits_past_its_timeout(
+    tiny_src: Path, tmp_path: Path
+) -> None:
+    """Each of the five notebooks run ROUNDS times by k3lab's batch runner (papermill in a process of
+    its own, a timeout on every cell and on the notebook), two at a time, while two busy processes
+    hold both cores: every run ends well inside its notebook timeout, and ends ok (a run that hung
+    would end failed at its cell timeout, naming the cell)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from k3lab.pipeline.running.batch import NotebookTask, parameter_names, run_notebook
+
+    rounds, cell_timeout, notebook_timeout = 4, 120.0, 300.0
+    assert main(["convert", "--meta", str(tiny_src), "--out-dir", str(tmp_path / "set"), "--quiet"]) == 0
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        jobs = []
+        for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+            declared = parameter_names(path)
+            for k in range(1, rounds + 1):
+                folder = tmp_path / f"{path.stem}-{k}"
+                folder.mkdir()
+                given = {
+                    "src": str(tiny_src),
+                    "meta": str(tiny_src),
+                    "result_file": str(folder / "result.json"),
+                }
+                given["out_dir"] = (
+                    str(tmp_path / "set") if path.name.startswith("05") else str(folder / "out")
+                )
+                if path.name.startswith("04"):
+                    given["mmproj_dir"] = str(folder / "vision")
+                parameters = tuple(sorted((n, v) for n, v in given.items() if n in declared))
+                task = NotebookTask(
+                    str(path),
+                    str(folder),
+                    parameters,
+                    "",
+                    cell_timeout,
+                    notebook_timeout,
+                    takes_file="file" in declared,
+                )
+                jobs.append((path.name, task, 1))
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:
+            runs = list(pool.map(lambda job: (job[0], run_notebook(job[1], job[2])), jobs))
+    finally:
+        for p in load:
+            p.kill()
+            p.wait()
+    assert len(runs) == 5 * rounds
+    failed = [(name, r.error) for name, r in runs if r.status != "ok"]
+    assert not failed, failed
+    assert max(r.seconds for _, r in runs) < notebook_timeout / 2, [(n, round(r.seconds)) for n, r in runs]
+    assert time.monotonic() - t0 < len(runs) * notebook_timeout / 2

@@ -19,7 +19,7 @@ BAD = {
     "repo": ["../../etc/passwd", "a/b/c", "org/na me", 7],
     "revision": ["main\x1b[2J", "../main", "-x", "a b", "", 3],
     "shard": [0, -1, True, 1.5, "2"],
-    "file": [0, -3, None],
+    "file": [0, -3, 1.5],
     "layers": ["2", [-1], [True], [1.0], list(range(2000))],
     "proj": ["w9", "", None],
     "expert": [-1, "0", 0.0],

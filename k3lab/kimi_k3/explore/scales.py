@@ -49,6 +49,23 @@ def moe_layers(cfg: Any, layers: list[int]) -> list[int]:
     return [layer for layer in layers if layer in have]
 
 
+def nearest_moe_layers(cfg: Any, layers: list[int]) -> tuple[list[int], str]:
+    """The layers of ``layers`` that have routed experts; when none has (a batch run's output file
+    holding only a dense layer, the embedding or the head), the first MoE layer after them, with the
+    line that says so (the page then shows what it says it shows)."""
+    have = [layer for layer in range(cfg.n_layer) if cfg.is_moe(layer)]
+    chosen = [layer for layer in layers if layer in have]
+    if chosen or not have:
+        return moe_layers(cfg, layers), ""
+    if not layers:
+        return [
+            have[0]
+        ], f"no layer here (the embedding, the head): showing layer {have[0]}, the first MoE layer"
+    after = [layer for layer in have if layer > max(layers)]
+    pick, which = (after[0], "next") if after else (have[-1], "last")
+    return [pick], f"layers {layers} hold no routed experts: showing layer {pick}, the {which} that has"
+
+
 BATCH = 64  # experts whose scales are fetched at once (a Hub source: side by side)
 
 

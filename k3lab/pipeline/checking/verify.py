@@ -17,13 +17,12 @@ from typing import Any
 
 import gguf
 import numpy as np
-from tqdm import tqdm
 
 from k3lab.errors import K3LabError
 from k3lab.pipeline.checking.by_tensor import kit_view, verify_by_tensors
 from k3lab.pipeline.checking.report import Report
 from k3lab.pipeline.model import Model
-from k3lab.pipeline.progress import TaskReport
+from k3lab.pipeline.progress import TaskReport, byte_bar
 from k3lab.pipeline.sources import open_source
 from k3lab.pipeline.sources.base import SourceSpec
 from k3lab.pipeline.state import OutputFolder
@@ -119,15 +118,7 @@ def verify(
     n_tensors = texts[0].split_tensors if texts else 0
     _check_set(folder, model, texts, count, n_tensors, report, complete=only is None)
     total = sum(r.size for r in records + others if (out_dir / r.file).is_file())  # (what is read)
-    bar = tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc="verify",
-        disable=True if quiet else None,
-        dynamic_ncols=True,
-    )
+    bar = byte_bar(total, "verify", True if quiet else None)
     names: dict[str, str] = {}
     by_number = {r.number: r.file for r in texts}
     if only is None:  # a .gguf in the folder that the manifest does not know is not part of this set
@@ -294,14 +285,10 @@ def _rederive(
     groups = records_split(plan, records)  # (a set without its folder's plan: split as its files are)
     if groups is not None and saved is None:
         plan = build_plan(*args, split=groups)
-    bar = tqdm(
-        total=sum(plan.file(r.number).source_bytes for r in records if r.number <= len(plan.files)),
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc="re-derive",
-        disable=True if quiet else None,
-        dynamic_ncols=True,
+    bar = byte_bar(
+        sum(plan.file(r.number).source_bytes for r in records if r.number <= len(plan.files)),
+        "re-derive",
+        True if quiet else None,
     )
     report_bytes = TaskReport(emit=lambda m: bar.update(m[2]))
     try:

@@ -1,8 +1,9 @@
 """Batch runs: a notebook executed once per output file with papermill, as tasks of the one runner
 (``runner.run_notebooks``): on Dask (a LocalCluster, or ``--scheduler``), one loop, one cancel.
 
-Each task runs papermill in a process of its own (its kernel a child of it) with parameters
-``meta``, ``src``, ``out_dir`` and ``file``, keeping the executed notebook as
+Each task runs papermill in a process of its own (its kernel a child of it) with the parameters
+among ``meta``, ``src``, ``out_dir``, ``run_token`` and ``file`` that the notebook's ``parameters``
+cell sets (``declared_parameters``: a notebook without ``file`` is not one to run per file), keeping the executed notebook as
 ``papermill_runs/<run-id>/file-NN.ipynb``. Nothing can hang it: every cell has ``cell_timeout``
 seconds and the notebook ``notebook_timeout`` (a kernel that stops answering, a widget waiting for a
 front end), after which its process group is killed and the task reports one line naming the
@@ -14,6 +15,7 @@ kernel that fails to start is tried again after a short pause, at most ``START_A
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import random
@@ -37,6 +39,62 @@ KERNEL_START_ERRORS = (
 )
 
 
+NOTEBOOK_LIMIT = 64 << 20  # bytes of a notebook read to find its parameters (ours are ~20 KB)
+GIVEN = ("meta", "src", "out_dir", "run_token", "file")  # what a batch run can tell a notebook
+
+
+def declared_parameters(notebook: str | Path) -> frozenset[str]:
+    """``parameter_names``, with ``file`` among them: one line when it is not (the notebook cannot be
+    told which output file it runs for: every run would do the same)."""
+    from k3lab.errors import K3LabError
+
+    names = parameter_names(notebook)
+    if "file" not in names:
+        raise K3LabError(
+            f"{notebook}: has no 'file' parameter, so it cannot be run once per output file "
+            "(k3lab batch's notebooks: 01, 02 and 03 in notebooks/)"
+        )
+    return names
+
+
+def parameter_names(notebook: str | Path) -> frozenset[str]:
+    """The names the notebook's cell tagged ``parameters`` assigns, as papermill finds that cell;
+    one line when there is none. Reads the notebook only."""
+    from k3lab.errors import K3LabError
+    from k3lab.formats.files import InputFileError, parse_json, read_bounded
+
+    try:
+        nb = parse_json(read_bounded(notebook, NOTEBOOK_LIMIT, "notebook"), str(notebook))
+    except InputFileError as e:
+        raise K3LabError(str(e)) from None
+    cells = nb.get("cells") if isinstance(nb, dict) else None
+    tagged = [
+        c
+        for c in (cells if isinstance(cells, list) else [])
+        if isinstance(c, dict)
+        and c.get("cell_type") == "code"
+        and isinstance(c.get("metadata"), dict)
+        and isinstance(c["metadata"].get("tags"), list)
+        and "parameters" in c["metadata"]["tags"]
+    ]
+    if not tagged:
+        raise K3LabError(
+            f"{notebook}: no cell tagged 'parameters' (papermill sets a notebook's parameters there)"
+        )
+    source = tagged[0].get("source", "")
+    text = "".join(x for x in source if isinstance(x, str)) if isinstance(source, list) else str(source)
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError) as e:
+        raise K3LabError(f"{notebook}: its parameters cell is not Python ({type(e).__name__})") from None
+    return frozenset(
+        t.id
+        for node in tree.body
+        for t in (node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)])
+        if isinstance(t, ast.Name)
+    )
+
+
 @dataclass(frozen=True)
 class NotebookTask:
     """What a worker needs to run one notebook per output file (plain values: it travels to Dask)."""
@@ -48,6 +106,7 @@ class NotebookTask:
     cell_timeout: float = CELL_TIMEOUT
     notebook_timeout: float = NOTEBOOK_TIMEOUT
     channel: str = ""  # set by the runner on Dask
+    takes_file: bool = True  # whether the notebook is told which output file (its ``file`` parameter)
 
 
 @dataclass
@@ -70,7 +129,7 @@ def run_notebook(
     """The notebook for output file ``number``, run by papermill in a process of its own within the
     task's timeouts; never raises for the notebook's own failure: reports it."""
     output = str(Path(task.run_dir) / f"file-{number:02d}.ipynb")
-    parameters = {**dict(task.parameters), "file": number}
+    parameters = {**dict(task.parameters), **({"file": number} if task.takes_file else {})}
     t0 = time.perf_counter()
     error = ""
     for attempt in range(START_ATTEMPTS):
@@ -166,12 +225,14 @@ def notebook_task(
     cell_timeout: float = CELL_TIMEOUT,
     notebook_timeout: float = NOTEBOOK_TIMEOUT,
 ) -> NotebookTask:
-    parameters = {
+    given = {
         "meta": str(Path(meta).resolve()),
         "src": str(Path(src).resolve()),
         "out_dir": str(Path(out_dir).resolve()),
         "run_token": run_token,
     }
+    declared = declared_parameters(notebook)  # (papermill warns of a parameter the notebook lacks)
+    parameters = {k: v for k, v in given.items() if k in declared}
     return NotebookTask(
         str(Path(notebook).resolve()),
         str(run_dir.resolve()),

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm  # a widget bar in a notebook, a text bar on a termin
 from k3lab.errors import K3LabError, MachineError
 from k3lab.pipeline.model import Model
 from k3lab.pipeline.planning.plan import Plan
-from k3lab.pipeline.progress import RunProgress
+from k3lab.pipeline.progress import RunProgress, byte_bar
 from k3lab.pipeline.publishing.card import extra_files
 from k3lab.pipeline.publishing.publish import Committer, Publication, open_committer, published
 from k3lab.pipeline.publishing.upload import upload
@@ -181,37 +181,64 @@ def run_notebooks(
     """``notebook`` once per chosen output file with papermill, as tasks of one run holding the folder
     (the notebooks convert into it as part of it), on Dask: the cluster at ``scheduler``, or a
     LocalCluster of ``workers`` processes. Every file's run, failed ones too; the manifest merged."""
+    results: list[Any] = []
+    try:
+        with start_run(model, spec, out_dir, options, None, shards, say) as (_, token, numbers):
+            results = _run_notebooks(
+                notebook, spec, out_dir, numbers, token, scheduler, workers, run_dir, timeouts, say
+            )
+            if any(r.status != "ok" for r in results):
+                raise _NotAllRan(results)  # (as a failed convert: a run that finished no file leaves nothing)
+    except _NotAllRan as e:
+        results = e.results
+    return sorted(results, key=lambda r: r.file)
+
+
+class _NotAllRan(Exception):
+    def __init__(self, results: list[Any]):
+        self.results = results
+
+
+def _run_notebooks(  # (the block of run_notebooks holding the folder)
+    notebook: str | Path,
+    spec: SourceSpec,
+    out_dir: str | Path,
+    numbers: list[int],
+    token: str,
+    scheduler: str | None,
+    workers: int,
+    run_dir: Path,
+    timeouts: tuple[float, float],
+    say: Callable[[str], None] | None,
+) -> list[Any]:
     from k3lab.pipeline.running.batch import NotebookRun, notebook_task, run_notebook
     from k3lab.pipeline.running.cluster import run_on_dask
 
-    with start_run(model, spec, out_dir, options, None, shards, say) as (_, token, numbers):
-        run_dir.mkdir(parents=True, exist_ok=True)
-        task = notebook_task(notebook, spec.meta_dir, spec.location, out_dir, run_dir, token, *timeouts)
-        cluster = None
-        if not scheduler:
-            from distributed import LocalCluster
+    run_dir.mkdir(parents=True, exist_ok=True)
+    task = notebook_task(notebook, spec.meta_dir, spec.location, out_dir, run_dir, token, *timeouts)
+    cluster = None
+    if not scheduler:
+        from distributed import LocalCluster
 
-            cluster = LocalCluster(
-                n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None
-            )
-            scheduler = cluster.scheduler_address
-        results: list[NotebookRun] = []
-        bar = tqdm(
-            total=len(numbers), desc="notebooks", unit="file", disable=say is None or None, dynamic_ncols=True
+        cluster = LocalCluster(
+            n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None
         )
-        try:
-            halt = threading.Event()
-            outcomes = run_on_dask(
-                run_notebook, task, numbers, scheduler, RunProgress(bar), halt, lambda k: 0
-            )
-            failures = collect(outcomes, halt, lambda r: (results.append(r), bar.update(1)))
-        finally:
-            bar.close()
-            if cluster is not None:
-                cluster.close()
-            OutputFolder(out_dir).records.merge()
-        results += [NotebookRun(k, "failed", 0.0, "", str(e).splitlines()[0]) for k, e in failures.items()]
-    return sorted(results, key=lambda r: r.file)
+        scheduler = cluster.scheduler_address
+    results: list[NotebookRun] = []
+    bar = tqdm(
+        total=len(numbers), desc="notebooks", unit="file", disable=say is None or None, dynamic_ncols=True
+    )
+    try:
+        halt = threading.Event()
+        outcomes = run_on_dask(run_notebook, task, numbers, scheduler, RunProgress(bar), halt, lambda k: 0)
+        failures = collect(outcomes, halt, lambda r: (results.append(r), bar.update(1)))
+    finally:
+        bar.close()
+        if cluster is not None:
+            cluster.close()
+        OutputFolder(out_dir).records.merge()
+    results += [NotebookRun(k, "failed", 0.0, "", str(e).splitlines()[0]) for k, e in failures.items()]
+    return results
 
 
 def _found_complete(
@@ -241,14 +268,8 @@ def _found_complete(
 def _bar(plan: Plan, todo: list[int], quiet: bool | None) -> Any:
     """The run's one byte bar (source bytes converted; bytes down and up beside them)."""
     disable = {True: True, False: None, None: False}[quiet]  # tqdm's None: bars on a terminal only
-    return tqdm(
-        total=sum(plan.file(k).source_bytes for k in todo),
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc=f"{len(todo)} files",
-        disable=disable if todo else True,
-        dynamic_ncols=True,  # (cut to the terminal's width, as it is now)
+    return byte_bar(
+        sum(plan.file(k).source_bytes for k in todo), f"{len(todo)} files", disable if todo else True
     )
 
 

@@ -22,7 +22,16 @@ from k3lab.formats.files import PARTIAL, partial_path, remove_regular
 from k3lab.formats.gguf_stream import KV
 from k3lab.pipeline.planning.plan import Plan
 from k3lab.pipeline.state.lock import FolderLock
-from k3lab.pipeline.state.names import LOCK_NAME, SCRATCH_NAME, STATE_DIR, FolderError, plain_name
+from k3lab.pipeline.state.names import (
+    KVS_NAME,
+    LOCK_NAME,
+    PLAN_NAME,
+    SCRATCH_NAME,
+    STATE_DIR,
+    FolderError,
+    plain_name,
+    record_names,
+)
 from k3lab.pipeline.state.plans import Plans
 from k3lab.pipeline.state.record import MANIFEST_NAME
 from k3lab.pipeline.state.records import Records
@@ -97,15 +106,36 @@ class OutputFolder:
         """The folder held for a run of ``plan``: its lock (or, with ``run_token``, the check that
         this run holds it), the plan saved when it is new (``kvs``: file 1's metadata) and the files
         of an earlier split it replaces retired, what a killed run left removed. Yields the run's
-        token and the names retired."""
+        token and the names retired. A run that made ``.k3lab`` and fails or is stopped with no
+        file finished (the block raises) removes what it made, ``OUT/`` too when it made that: nothing is left behind."""
+        made = [p for p in (self.path, self.state, self.manifest) if not os.path.lexists(p)]
         with self.hold(run_token) as token:
-            gone: list[str] = []
-            if kvs is not None:
-                self.plans.save(plan, kvs)
-                gone = self.records.retire(plan)
-            if run_token is None:
-                self.remove_partials()
-            yield token, gone
+            try:
+                gone: list[str] = []
+                if kvs is not None:
+                    self.plans.save(plan, kvs)
+                    gone = self.records.retire(plan)
+                if run_token is None:
+                    self.remove_partials()
+                yield token, gone
+            except BaseException:
+                if run_token is None and self.state in made:
+                    self._unmake(made)
+                raise
+
+    def _unmake(self, made: list[Path]) -> None:
+        """Remove what this run made when it finished no file: its plan, its lock, an empty scratch
+        folder and a manifest of no records (regular files only), then the folders if empty (a
+        scratch download in progress, or anything else put there, keeps them)."""
+        if record_names(self.state) or any(self.path.glob("*.gguf")):
+            return
+        for name in (PLAN_NAME, KVS_NAME, LOCK_NAME):
+            remove_regular(self.state / name)
+        if self.manifest in made:
+            remove_regular(self.manifest)
+        for folder in (self.scratch, self.state, *(p for p in made if p == self.path)):
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
 
     # --- cleaning up ------------------------------------------------------------------------------
     def remove_output(self, name: str) -> None:
