@@ -143,3 +143,113 @@ def test_a_failing_convert_says_one_line_and_no_note_before_it(tiny_src: Path, t
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and shard.name in r.stderr, r.stderr
     ok = run_cli(None, "convert", "--meta", str(tiny_src), "--out-dir", str(tmp_path / "ok"))
     assert ok.returncode == 0 and ok.stderr.startswith("k3lab: chat template: none"), ok.stderr
+
+
+def test_a_convert_that_finishes_no_file_leaves_nothing_and_one_that_finished_some_keeps_them(
+    tiny_src: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A failure past the checks (a transform raising, here) with no file finished: exit 1 and no
+    OUT/ (the run made it). With one file finished first, OUT/ and its state stay: the same command
+    converts the rest."""
+    import k3lab.pipeline.running.task as task_module
+    from k3lab.errors import K3LabError
+
+    real = task_module.convert_file
+
+    def failing(plan, number, *args, **kwargs):
+        if number >= fail_from:
+            raise K3LabError(f"output file {number}: a failure injected by the test")
+        return real(plan, number, *args, **kwargs)
+
+    monkeypatch.setattr(task_module, "convert_file", failing)
+    out = tmp_path / "out"
+    fail_from = 1
+    assert main(["convert", "--meta", str(tiny_src), "--out-dir", str(out), "--quiet"]) == 2
+    assert "output file 1: a failure injected by the test" in capsys.readouterr().err
+    assert not out.exists()
+    fail_from = 2
+    assert (
+        main(
+            ["convert", "--meta", str(tiny_src), "--out-dir", str(out), "--quiet", "--split-max-tensors", "1"]
+        )
+        == 2
+    )
+    assert "8 of 9 output files failed; finished files are kept" in capsys.readouterr().err
+    assert (out / ".k3lab" / "00001.json").is_file() and (out / ".k3lab" / "plan.json").is_file()
+    fail_from = 99
+    assert (
+        main(
+            ["convert", "--meta", str(tiny_src), "--out-dir", str(out), "--quiet", "--split-max-tensors", "1"]
+        )
+        == 0
+    )
+    assert "8 written, 1 already complete" in capsys.readouterr().out
+
+
+def test_bars_end_at_100_percent_in_one_unit_system(tiny_src: Path, tmp_path: Path, monkeypatch) -> None:
+    """convert's and verify's bars, drawn as on a terminal: each ends at 100% of its total, and every
+    size and rate on them is in tqdm's SI units (kB, MB: a MiB beside a MB/s was two systems)."""
+    import io
+
+    import k3lab.pipeline.progress as progress
+
+    frames: list[str] = []
+
+    class Shown(progress.tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs.update(disable=False, file=io.StringIO(), mininterval=0)
+            super().__init__(*args, **kwargs)
+            self.bars = kwargs["file"]
+
+        def close(self):
+            if not self.disable:  # (tqdm closes a bar again when it is collected)
+                super().close()
+                frames.append(self.bars.getvalue().split("\r")[-1].strip())
+
+    monkeypatch.setattr(progress, "tqdm", Shown)
+    out = tmp_path / "out"
+    assert main(["convert", "--meta", str(tiny_src), "--out-dir", str(out), "--split-max-tensors", "1"]) == 0
+    assert main(["verify", str(out), "--src", str(tiny_src)]) == 0
+    assert [f.split(":")[0] for f in frames] == ["9 files", "verify", "re-derive"], frames
+    for frame in frames:
+        assert "100%|" in frame and "iB" not in frame, frame
+        done, total = frame.split("| ")[1].split(" ")[0].split("/")
+        assert done == total and total.endswith(("k", "M")), frame
+
+
+def test_make_demo_installs_only_when_pyproject_changed(tmp_path: Path) -> None:
+    """The README's first command: pip runs when this environment has no install stamp or
+    pyproject.toml is newer than it; otherwise `make demo` is the demo alone (a second run is the
+    demo's seconds). Asked of make itself, dry (-n): nothing is installed here."""
+    import os
+    import subprocess
+
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    env = {**os.environ, "VIRTUAL_ENV": str(venv)}
+
+    def dry(target: str) -> list[str]:
+        r = subprocess.run(
+            ["make", "-n", "--no-print-directory", "-C", str(ROOT), target],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 0, r.stderr
+        venv_step = 'if [ -n "" ] && [ ! -x "python" ]; then python3 -m venv ""; fi'  # (a no-op in a venv)
+        return [line for line in r.stdout.strip().splitlines() if line != venv_step]
+
+    assert dry("demo") == [
+        "python -m pip install -e . && touch " + str(venv / ".k3lab-installed"),
+        "k3lab demo",
+    ]
+    later = (ROOT / "pyproject.toml").stat().st_mtime + 60
+    for name in (".k3lab-installed", ".k3lab-installed-test"):
+        (venv / name).touch()
+        os.utime(venv / name, (later, later))
+    assert dry("demo") == ["k3lab demo"]
+    assert dry("test") == ["python -m pytest"]
+    earlier = later - 120
+    os.utime(venv / ".k3lab-installed", (earlier, earlier))
+    assert dry("demo")[0].startswith("python -m pip install -e . && touch ")
