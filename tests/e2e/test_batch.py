@@ -162,7 +162,7 @@ def _injected(executed: Path) -> set[str]:
 def test_batch_runs_the_looking_notebooks_per_output_file(tiny_src: Path, tmp_path: Path, capsys) -> None:
     """01 opens the shard each output file reads first, 02 shows the MoE layers each holds (a file with
     none says which layer it shows instead); each is told only the parameters it has (papermill warns
-    of any other); a batch that converts nothing leaves no output folder behind."""
+    of any other); a batch of notebooks that only look leaves the plan and no manifest."""
     for name, files in (("01-tensor-layouts.ipynb", "1,2"), ("02-mxfp4-scales.ipynb", "1,3")):
         out, runs = tmp_path / f"out-{name[:2]}", tmp_path / "runs"
         args = _batch_args(tiny_src, out, runs, name[:2])
@@ -172,7 +172,9 @@ def test_batch_runs_the_looking_notebooks_per_output_file(tiny_src: Path, tmp_pa
         assert "2 ok, 0 failed" in capsys.readouterr().out
         first, second = sorted((runs / name[:2]).glob("file-*.ipynb"))
         assert _injected(first) == {"src", "out_dir", "file"}
-        assert not out.exists()  # (the notebooks only looked: nothing finished, nothing kept)
+        # the notebooks only looked: no output file and no manifest; the plan stays for a convert
+        assert sorted(p.name for p in out.iterdir()) == [".k3lab"]
+        assert sorted(p.name for p in (out / ".k3lab").iterdir()) == ["kvs.json", "lock", "plan.json"]
         if name.startswith("01"):
             assert "output file 1: Kimi-K3-MXFP4-00001-of-00009.gguf reads model-00001-of-000011" in _printed(
                 first

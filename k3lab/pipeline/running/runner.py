@@ -236,7 +236,9 @@ def _run_notebooks(  # (the block of run_notebooks holding the folder)
         bar.close()
         if cluster is not None:
             cluster.close()
-        OutputFolder(out_dir).records.merge()
+        folder = OutputFolder(out_dir)
+        if folder.records.all() or folder.manifest.exists():  # (notebooks that only looked: no manifest)
+            folder.records.merge()
     results += [NotebookRun(k, "failed", 0.0, "", str(e).splitlines()[0]) for k, e in failures.items()]
     return results
 
