@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import stat
 import struct
 import threading
 from pathlib import Path
@@ -35,6 +36,20 @@ class Hub:
     def __call__(self, start: int, stop: int) -> bytes:
         self.asked.append((start, stop))
         return self.data[start:stop]
+
+
+def _put(path: Path, data: bytes) -> None:
+    """Write a file as a hostile hand would, but never block or follow: an earlier edit may have
+    made that name a FIFO (opening it to write would wait for a reader) or a link."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_NOFOLLOW, 0o644)
+    except OSError:  # (ENXIO: a FIFO with no reader; ELOOP: a link)
+        return
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.write(fd, data)
+    finally:
+        os.close(fd)
 
 
 def _entries(root: Path) -> list[Path]:
@@ -240,16 +255,16 @@ def test_any_cache_state_serves_the_files_bytes_or_fetches_them(
             if edit == "flip" and entry.stat().st_size:
                 body = bytearray(entry.read_bytes())
                 body[0] ^= 1
-                entry.write_bytes(bytes(body))
+                _put(entry, bytes(body))
             elif edit == "cut":
-                entry.write_bytes(entry.read_bytes()[:-1])
+                _put(entry, entry.read_bytes()[:-1])
             elif edit in ("fifo", "link", "dir"):
                 entry.unlink()
                 {"fifo": os.mkfifo, "dir": os.mkdir}.get(edit, lambda p: p.symlink_to(elsewhere / "x"))(entry)
             elif edit == "evict":
                 entry.unlink()
             elif edit == "partial":
-                (entry.parent / f".{entry.name}.1.2.partial").write_bytes(b"half")
+                _put(entry.parent / f".{entry.name}.1.2.partial", b"half")
     for start, n in spans:
         stop = min(len(DATA), start + n)
         before = len(hub.asked)
