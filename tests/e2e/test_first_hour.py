@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from conftest import ROOT, run_cli
+from conftest import PER_LAYER, ROOT, run_cli
 
 from k3lab import __version__
 from k3lab.cli import EXAMPLES, build_parser, main
@@ -163,26 +163,20 @@ def test_a_convert_that_finishes_no_file_leaves_nothing_and_one_that_finished_so
 
     monkeypatch.setattr(task_module, "convert_file", failing)
     out = tmp_path / "out"
+
+    def convert(*extra: str) -> int:
+        return main(["convert", "--meta", str(tiny_src), "--out-dir", str(out), "--quiet", *extra])
+
     fail_from = 1
-    assert main(["convert", "--meta", str(tiny_src), "--out-dir", str(out), "--quiet"]) == 2
+    assert convert() == 2
     assert "output file 1: a failure injected by the test" in capsys.readouterr().err
     assert not out.exists()
     fail_from = 2
-    assert (
-        main(
-            ["convert", "--meta", str(tiny_src), "--out-dir", str(out), "--quiet", "--split-max-tensors", "1"]
-        )
-        == 2
-    )
+    assert convert(*PER_LAYER) == 2
     assert "8 of 9 output files failed; finished files are kept" in capsys.readouterr().err
     assert (out / ".k3lab" / "00001.json").is_file() and (out / ".k3lab" / "plan.json").is_file()
     fail_from = 99
-    assert (
-        main(
-            ["convert", "--meta", str(tiny_src), "--out-dir", str(out), "--quiet", "--split-max-tensors", "1"]
-        )
-        == 0
-    )
+    assert convert(*PER_LAYER) == 0
     assert "8 written, 1 already complete" in capsys.readouterr().out
 
 

@@ -180,7 +180,8 @@ def run_notebooks(
 ) -> list[Any]:
     """``notebook`` once per chosen output file with papermill, as tasks of one run holding the folder
     (the notebooks convert into it as part of it), on Dask: the cluster at ``scheduler``, or a
-    LocalCluster of ``workers`` processes. Every file's run, failed ones too; the manifest merged."""
+    LocalCluster of ``workers`` processes. Every file's run, failed ones too; the manifest merged
+    when a file was converted."""
     results: list[Any] = []
     try:
         with start_run(model, spec, out_dir, options, None, shards, say) as (_, token, numbers):
@@ -195,6 +196,9 @@ def run_notebooks(
 
 
 class _NotAllRan(Exception):
+    """Some notebook failed: raised inside the folder's block so the folder treats the run as failed
+    (what it made goes when no file was finished), caught outside it to return every result."""
+
     def __init__(self, results: list[Any]):
         self.results = results
 
