@@ -180,3 +180,39 @@ def vision_forward(net: Any, meta_dir: Path, image: Any) -> tuple[Any, Any, Any]
         (embeddings,) = net.mm_projector(merged)
     _, h, w = (int(x) for x in batch["grid_thws"][0])
     return batch["pixel_values"].float().numpy(), (h, w), embeddings.float().numpy()
+
+
+def chat() -> types.SimpleNamespace:
+    """Moonshot's chat format: ``encoding_k3`` (``build_chat_segments``) and ``tokenization_kimi``
+    (``TikTokenTokenizer``, whose ``apply_chat_template`` encodes the segments one by one)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tiktoken")
+    root = _unpacked()
+    for name in ("llmcompressor", "llmcompressor.modeling"):
+        if name not in sys.modules:
+            stand_in = types.ModuleType(name)
+            stand_in.__path__ = [str(root / name.replace(".", "/"))]
+            sys.modules[name] = stand_in
+    encoding = importlib.import_module(f"{PACKAGE}.encoding_k3")
+    tokenization = importlib.import_module(f"{PACKAGE}.tokenization_kimi")
+    return types.SimpleNamespace(encoding=encoding, tokenization=tokenization)
+
+
+def tokenizer(meta: Path) -> Any:
+    """Moonshot's ``TikTokenTokenizer`` on a checkpoint's ``tiktoken.model`` and ``tokenizer_config.json``
+    (made as ``from_pretrained`` makes it: the config's special tokens as ``AddedToken`` objects)."""
+    from tokenizers import AddedToken
+
+    cfg = json.loads((meta / "tokenizer_config.json").read_text())
+    decoder = {
+        int(i): AddedToken(t["content"], special=True, normalized=False)
+        for i, t in cfg["added_tokens_decoder"].items()
+    }
+    return chat().tokenization.TikTokenTokenizer(
+        str(meta / "tiktoken.model"),
+        bos_token=cfg["bos_token"],
+        eos_token=cfg["eos_token"],
+        unk_token=cfg["unk_token"],
+        pad_token=cfg["pad_token"],
+        added_tokens_decoder=decoder,
+    )

@@ -107,8 +107,17 @@ def read_bounded(path: str | os.PathLike, limit: int, what: str = "file", follow
     return b"".join(read_chunks(path, limit, what, follow))
 
 
-def read_text(path: str | os.PathLike, limit: int, what: str = "file") -> str:
-    data = read_bounded(path, limit, what)
+def within(path: str | os.PathLike, root: str | os.PathLike, what: str = "file") -> Path:
+    """``path`` with every link resolved, refused in one line when that leads out of ``root`` (a
+    checkpoint's file that is a link to somewhere else on the machine is not the checkpoint's)."""
+    real, top = Path(os.path.realpath(path)), Path(os.path.realpath(root))
+    if real != top and top not in real.parents:
+        raise InputFileError(f"{path}: the {what} is a link out of {root} (to {real}); k3lab reads it only inside")
+    return real
+
+
+def read_text(path: str | os.PathLike, limit: int, what: str = "file", follow: bool = True) -> str:
+    data = read_bounded(path, limit, what, follow)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -7,7 +7,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from k3lab.kimi_k3 import rules
+from k3lab.kimi_k3 import chat, rules
 from k3lab.kimi_k3.tokenizer import chat_template_choice
 from k3lab.pipeline.model import Guide
 
@@ -57,6 +57,7 @@ GUIDE = Guide(
     rules_file="k3lab/kimi_k3/rules.py",
     tags=TAGS,
     chat_template=chat_template_choice,
+    chat_template_words=chat.describe,
     demo=_demo,
     vision_note=(
         "The mmproj is in the `kimik3` convention (`clip.projector_type kimik3`), the one llama.cpp build "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import binascii
 import functools
 import itertools
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,8 +25,9 @@ from gguf import GGUFValueType, Keys, TokenType
 
 from k3lab.errors import K3LabError
 from k3lab.formats.bpe_merges import bpe_merge_ranks
-from k3lab.formats.files import InputFileError, read_bounded, read_json, read_text
+from k3lab.formats.files import InputFileError, read_bounded, read_json, read_text, within
 from k3lab.formats.gguf_stream import KV
+from k3lab.kimi_k3 import chat
 from k3lab.kimi_k3.config import K3Config
 
 Tok = Keys.Tokenizer
@@ -126,11 +128,13 @@ def _read_tiktoken_checked(path: Path, lines: list[bytes]) -> list[bytes]:
     return [by_rank[r] for r in range(n)]
 
 
-def read_chat_template(path: str | Path) -> str:
-    """A Jinja chat template file's text (``--chat-template FILE``)."""
+def read_chat_template(path: str | Path, inside: str | Path | None = None) -> str:
+    """A Jinja chat template file's text; with ``inside``, a file of that folder (the checkpoint's own
+    ``chat_template.jinja``: a link out of it is refused)."""
     path = Path(path)
     try:
-        text = read_text(path, TEMPLATE_LIMIT, "chat template")
+        real = within(path, inside, "chat template") if inside is not None else path
+        text = read_text(real, TEMPLATE_LIMIT, "chat template", follow=inside is None)
     except InputFileError as e:
         raise TokenizerError(str(e)) from None
     if not text.strip():
@@ -138,28 +142,35 @@ def read_chat_template(path: str | Path) -> str:
     return text
 
 
+def given_chat_template(path: str | Path) -> str:
+    """``--chat-template FILE``: read, and checked to be Jinja that renders a one-message chat."""
+    text = read_chat_template(path)
+    chat.check(text, path)
+    return text
+
+
 def chat_template_choice(meta_dir: str | Path, flag: str | Path | None = None) -> tuple[str | None, str]:
-    """The chat template to embed and one line saying where it comes from: ``--chat-template FILE``
-    wins, else the source's own (``tokenizer_config.json``, then ``chat_template.jinja``), else none."""
+    """The chat template to embed and one line saying which: ``--chat-template FILE`` wins, else the
+    source's own (``tokenizer_config.json``, then ``chat_template.jinja``), else k3lab's (``chat.py``).
+    Only the flag's text is returned: the vocabulary takes the others from the files as it is built."""
     meta_dir = Path(meta_dir)
-    if (meta_dir / "tokenizer_config.json").is_file():
+    fetched = (meta_dir / "tokenizer_config.json").is_file()
+    if fetched:
         _, tok_cfg = read_specials(meta_dir / "tokenizer_config.json")
         own = source_chat_template(meta_dir, tok_cfg)
     else:  # (not fetched from the Hub yet)
         tok_cfg, own = {}, None
     if flag is not None:
-        text = read_chat_template(flag)
-        return (
-            text,
-            f"chat template: {flag} (--chat-template{', replacing the source' + chr(39) + 's own' if own else ''})",
-        )
+        text = given_chat_template(flag)
+        replacing = ", replacing the source's own" if own else ""
+        return text, f"chat template: {flag} (--chat-template{replacing})"
     if own is not None:
         where = "tokenizer_config.json" if tok_cfg.get("chat_template") else "chat_template.jinja"
         return None, f"chat template: the source's own ({meta_dir / where})"
-    return None, (
-        "chat template: none (the checkpoint ships none; Kimi-K3 renders chats in Python): llama.cpp then "
-        "needs one at run time (llama-server --jinja --chat-template-file FILE), or embed one with --chat-template FILE"
-    )
+    ours = chat.describe(chat.template())
+    if not fetched:
+        return None, f"chat template: the checkpoint's own if it ships one, else {ours}"
+    return None, f"chat template: {ours} (the checkpoint ships none; --chat-template FILE replaces it)"
 
 
 def source_chat_template(meta_dir: Path, tok_cfg: dict) -> str | None:
@@ -167,7 +178,7 @@ def source_chat_template(meta_dir: Path, tok_cfg: dict) -> str | None:
     if tok_cfg.get("chat_template"):
         return tok_cfg["chat_template"]
     path = meta_dir / "chat_template.jinja"
-    return read_chat_template(path) if path.is_file() else None
+    return read_chat_template(path, inside=meta_dir) if os.path.lexists(path) else None
 
 
 def read_specials(path: str | Path) -> tuple[dict[int, str], dict]:
@@ -315,6 +326,7 @@ def build_vocabulary(meta_dir: str | Path, cfg: K3Config | None = None) -> Vocab
         eos_id=pick("eos_token_id", "eos_token"),  # K3: <|end_of_msg|>, the end of a turn
         pad_id=pick("pad_token_id", "pad_token"),
         unk_id=special_id("unk_token"),
-        chat_template=source_chat_template(meta_dir, tok_cfg),
+        # the checkpoint's own, else k3lab's: Kimi-K3 ships its chat format only as Python
+        chat_template=source_chat_template(meta_dir, tok_cfg) or chat.template(),
         specials=specials,
     )

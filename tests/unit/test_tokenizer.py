@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from llama_support import detokenize, needs_llama
 
 from k3lab.cli import main
 from k3lab.formats.bpe_merges import bpe_merges, merges_reference
+from k3lab.kimi_k3 import chat
 from k3lab.kimi_k3.model import MODEL
 from k3lab.kimi_k3.synth.generate import extend_vocab
 from k3lab.kimi_k3.tokenizer import (
@@ -155,10 +157,9 @@ def test_the_chat_template_choice_is_printed_and_embedded(
 
     assert main(["tokenizer", "--meta", str(tiny_src), "--out", str(tmp_path / "a" / "t.gguf")]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert (
-        first.startswith("chat template: none") and "--chat-template-file" in first
-    )  # what llama.cpp then needs
-    assert "tokenizer.chat_template" not in gguf.GGUFReader(tmp_path / "a" / "t.gguf").fields
+    assert first.startswith("chat template: k3lab's Kimi-K3 template (SHA-256 ") and "ships none" in first
+    embedded = gguf.GGUFReader(tmp_path / "a" / "t.gguf").fields["tokenizer.chat_template"].contents()
+    assert embedded == chat.template() and "<|open|>message" in embedded
     template = tmp_path / "k3.jinja"
     template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     out = tmp_path / "b" / "t.gguf"
@@ -176,3 +177,78 @@ def test_file_1_carries_upstreams_general_keys(tiny_out: Path) -> None:
     assert r.fields["general.type"].contents() == "model"
     assert r.fields["general.size_label"].contents() == "8x1.9M"
     assert "kimi-k3.expert_group_used_count" not in r.fields  # the config has no topk_group
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{% for m in messages %}{{ m.content }}", r"k3\.jinja: not a Jinja template \(line 1: "),
+        (
+            "{% if false %}x{% endif %}   ",
+            r"k3\.jinja: the chat template renders nothing for a one-message chat",
+        ),
+        (
+            "{{ raise_exception('no chat here') }}",
+            r"k3\.jinja: the chat template fails on a one-message chat \(.*no chat here",
+        ),
+        (
+            "{{ 'x' * 3000000000 }}",
+            r"k3\.jinja: the chat template fails on a one-message chat \(it takes more than 1 GiB\)",
+        ),
+        (
+            "{{ messages }}" + " " * (4 * 1024 * 1024),
+            r"k3\.jinja: \d+ bytes; a chat template is at most 4194304 bytes",
+        ),
+    ],
+)
+def test_a_chat_template_that_cannot_be_embedded_is_one_line(
+    tiny_src: Path, tmp_path: Path, text: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from k3lab.cli import main
+
+    template = tmp_path / "k3.jinja"
+    template.write_text(text)
+    out = tmp_path / "out"
+    assert (
+        main(["convert", "--meta", str(tiny_src), "--out-dir", str(out), "--chat-template", str(template)])
+        == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link out", "link in"])
+def test_a_sources_chat_template_jinja_is_read_only_inside_the_checkpoint(
+    tiny_src: Path, tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import os
+
+    from k3lab.cli import main
+
+    meta = tmp_path / "meta"
+    shutil.copytree(tiny_src, meta, ignore=shutil.ignore_patterns("*.safetensors"))
+    own = meta / "chat_template.jinja"
+    elsewhere = tmp_path / "elsewhere.jinja"
+    elsewhere.write_text("{{ messages[0].content }}")
+    if kind == "fifo":
+        os.mkfifo(own)
+    elif kind == "link out":
+        own.symlink_to(elsewhere)
+    else:
+        (meta / "templates").mkdir()
+        (meta / "templates" / "t.jinja").write_text("{{ messages[0].content }}")
+        own.symlink_to(meta / "templates" / "t.jinja")
+    out = tmp_path / "t.gguf"
+    code = main(["tokenizer", "--meta", str(meta), "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    if kind == "link in":
+        assert (
+            code == 0
+            and gguf.GGUFReader(out).fields["tokenizer.chat_template"].contents()
+            == "{{ messages[0].content }}"
+        )
+        return
+    assert code == 2 and len(err.splitlines()) == 1 and str(own) in err, err
+    assert ("is a FIFO" if kind == "fifo" else "is a link out of") in err
+    assert not out.exists()

@@ -173,7 +173,11 @@ def card_fields(
         "download_text": text_only,
         "download_mmproj": with_mmproj,
         "download_verify": to_verify,
-        "chat_template": "embedded" if (plan.inputs.get("options") or {}).get("chat_template") else "none",
+        "chat_template": model.guide.chat_template_words(
+            next((kv.value for kv in kvs if kv.key == "tokenizer.chat_template"), None)
+        )
+        if model.guide
+        else "",
         "singles_section": _singles_section(
             model, local, text[0].file if text else "", mmproj, tokenizer, with_mmproj
         ),

@@ -1,0 +1,157 @@
+"""Kimi-K3's chat format as a Jinja template: the one k3lab embeds, and the checks a template must pass.
+
+Kimi-K3 ships its chat format as Python (Moonshot's ``encoding_k3.py``: ``build_chat_segments``, which
+``tokenization_kimi.py``'s ``apply_chat_template`` encodes segment by segment), not as a template, so a
+GGUF of it would carry none and llama.cpp would fall back to a format the model never saw.
+``data/chat_template.jinja`` is k3lab's own rendering of that format. It renders exactly the text
+Moonshot's encoder renders, for every argument the encoder takes, in Python's jinja2 (the sandbox
+transformers uses) and in llama.cpp's own C++ engine; the tests hold it to both
+(``tests/unit/test_chat_template.py``). What it cannot express it refuses, with Moonshot's words where
+Moonshot refuses too:
+
+- tool-call arguments given as a string that may be JSON (a template cannot parse JSON; pass the
+  object, as llama-server does once it has parsed them); a string that cannot be JSON is the json block;
+- ``image_prompts``: image parts render as ``<|kimi_image_placeholder|>``, as the encoder renders them
+  without prompts; a runtime's own media marker part (llama.cpp's ``media_marker``) renders as its text.
+
+Its defaults are those of Moonshot's tokenizer (``thinking`` on, ``thinking_effort`` "max": pass none
+for no effort message), except ``add_generation_prompt``, false unless passed as in every chat
+template (llama.cpp asks for it when it wants a reply, and tells the prompt from the reply by
+rendering both ways).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from k3lab.errors import K3LabError
+
+TEMPLATE_FILE = "data/chat_template.jinja"
+RENDER_TIMEOUT = 20.0  # seconds for a one-message chat: a real template takes milliseconds
+RENDER_MEMORY = 1 << 30  # bytes of address space the rendering process may take beyond Python's own
+ONE_MESSAGE = [{"role": "user", "content": "Hi"}]
+
+
+class ChatTemplateError(K3LabError):
+    """A chat template that cannot be embedded: not Jinja, or renders nothing for one message."""
+
+
+@functools.lru_cache(maxsize=1)
+def template() -> str:
+    """k3lab's Kimi-K3 chat template (the text embedded when a checkpoint ships none)."""
+    return resources.files("k3lab.kimi_k3").joinpath(TEMPLATE_FILE).read_text(encoding="utf-8")
+
+
+def template_sha256() -> str:
+    return hashlib.sha256(template().encode()).hexdigest()
+
+
+def describe(text: str | None) -> str:
+    """Which chat template a file carries, in words (the card and the notes say it)."""
+    if text is None:
+        return "none"
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    if text == template():
+        return (
+            f"k3lab's Kimi-K3 template (SHA-256 {digest[:16]}), which renders exactly as Moonshot's "
+            "encoding_k3.py, checked in jinja2 and in llama.cpp's own template engine"
+        )
+    return f"the checkpoint's own or one given with --chat-template (SHA-256 {digest[:16]})"
+
+
+def environment() -> Any:
+    """A jinja2 environment as transformers' ``apply_chat_template`` makes one: sandboxed and immutable,
+    blocks trimmed, ``raise_exception``, ``tojson`` as ``json.dumps`` (no HTML escaping) and loop
+    controls."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        from jinja2.exceptions import TemplateError
+
+        raise TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:  # fmt: skip
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)  # fmt: skip
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env
+
+
+def render(messages: list[Any], text: str | None = None, **variables: Any) -> str:
+    """A conversation rendered by a template (k3lab's when ``text`` is None) with jinja2, as transformers
+    renders it: the variables are ``build_chat_segments``' keywords."""
+    return _compiled(template() if text is None else text).render(messages=messages, **variables)
+
+
+@functools.lru_cache(maxsize=4)
+def _compiled(text: str) -> Any:
+    return environment().from_string(text)
+
+
+def check(text: str, origin: str | Path) -> None:
+    """A template given to embed must be Jinja and render something for a one-message chat; one line
+    naming ``origin`` otherwise. It renders in a process of its own, bounded in time and memory (a
+    template is a program: one can loop for ever or build a string of any size)."""
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        environment().parse(text)
+    except TemplateSyntaxError as e:
+        raise ChatTemplateError(f"{origin}: not a Jinja template (line {e.lineno}: {e.message})") from None
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _RENDER_ONE, str(RENDER_MEMORY)],
+            input=text.encode(),
+            capture_output=True,
+            timeout=RENDER_TIMEOUT,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        )
+    except subprocess.TimeoutExpired:
+        raise ChatTemplateError(
+            f"{origin}: the chat template renders no one-message chat within {RENDER_TIMEOUT:.0f} s"
+        ) from None
+    answer = done.stdout.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+    if done.returncode or not answer[0].startswith("{"):
+        raise ChatTemplateError(
+            f"{origin}: the chat template cannot render a one-message chat "
+            f"({(done.stderr.decode('utf-8', 'replace').strip().splitlines() or ['it stopped'])[-1][:200]})"
+        )
+    result = json.loads(answer[0])
+    if "error" in result:
+        raise ChatTemplateError(
+            f"{origin}: the chat template fails on a one-message chat ({result['error'][:200]})"
+        )
+    if not result["text"].strip():
+        raise ChatTemplateError(f"{origin}: the chat template renders nothing for a one-message chat")
+
+
+# the child of ``check``: the template on stdin, one JSON line out ({"text"} or {"error"})
+_RENDER_ONE = f"""
+import json, resource, sys
+limit = int(sys.argv[1])
+with open("/proc/self/statm") as statm:  # (the address space taken so far, in pages)
+    used = int(statm.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (used + limit,) * 2)
+from k3lab.kimi_k3.chat import render
+text = sys.stdin.buffer.read().decode("utf-8")
+try:
+    out = {{"text": render({ONE_MESSAGE!r}, text, add_generation_prompt=True)}}
+except MemoryError:
+    out = {{"error": "it takes more than 1 GiB"}}
+except Exception as e:
+    out = {{"error": f"{{type(e).__name__}}: {{e}}".replace(chr(10), " ")}}
+print(json.dumps(out))
+"""
