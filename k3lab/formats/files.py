@@ -112,7 +112,9 @@ def within(path: str | os.PathLike, root: str | os.PathLike, what: str = "file")
     checkpoint's file that is a link to somewhere else on the machine is not the checkpoint's)."""
     real, top = Path(os.path.realpath(path)), Path(os.path.realpath(root))
     if real != top and top not in real.parents:
-        raise InputFileError(f"{path}: the {what} is a link out of {root} (to {real}); k3lab reads it only inside")
+        raise InputFileError(
+            f"{path}: the {what} is a link out of {root} (to {real}); k3lab reads it only inside"
+        )
     return real
 
 

@@ -60,11 +60,29 @@ def describe(text: str | None) -> str:
         return "none"
     digest = hashlib.sha256(text.encode()).hexdigest()
     if text == template():
-        return (
-            f"k3lab's Kimi-K3 template (SHA-256 {digest[:16]}), which renders exactly as Moonshot's "
-            "encoding_k3.py, checked in jinja2 and in llama.cpp's own template engine"
-        )
+        return f"k3lab's Kimi-K3 template (SHA-256 {digest[:16]}: renders as Moonshot's encoding_k3.py)"
     return f"the checkpoint's own or one given with --chat-template (SHA-256 {digest[:16]})"
+
+
+def card_paragraph(text: str | None) -> str:
+    """What a set's card says of the chat template its file 1 carries (``text``; None: none)."""
+    if text is None:
+        return (
+            "Chat template: none in the metadata; give llama.cpp one: `llama-server --jinja "
+            "--chat-template-file TEMPLATE.jinja`."
+        )
+    if text != template():
+        return f"Chat template: {describe(text)}, in the metadata: `llama-server --jinja` uses it."
+    return (
+        f"Chat template: {describe(text)}. Kimi-K3 ships its chat format as Python (Moonshot's "
+        "`encoding_k3.py`); the template renders the same text, so llama.cpp chats with no "
+        "`--chat-template-file` (`llama-server --jinja`). Moonshot's other keywords (`thinking`, "
+        "`thinking_effort`, `tool_choice`, `response_format`) go in `chat_template_kwargs`. Two things differ "
+        "from Moonshot's own pipeline by the runtime, not the template: llama.cpp tokenizes the prompt at once "
+        "(special-token text a user types becomes a control token), and a llama.cpp that runs images puts "
+        "`<|media_begin|>`, the embeddings, `<|media_end|>` where Moonshot's processor also writes "
+        "`image {W}x{H}<|media_content|>` after `<|media_begin|>` (about 6 tokens fewer per image)."
+    )
 
 
 def environment() -> Any:

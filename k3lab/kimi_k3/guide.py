@@ -57,7 +57,7 @@ GUIDE = Guide(
     rules_file="k3lab/kimi_k3/rules.py",
     tags=TAGS,
     chat_template=chat_template_choice,
-    chat_template_words=chat.describe,
+    chat_template_words=chat.card_paragraph,
     demo=_demo,
     vision_note=(
         "The mmproj is in the `kimik3` convention (`clip.projector_type kimik3`), the one llama.cpp build "

@@ -125,8 +125,8 @@ class Guide:
     - ``tags``: what each rule's unit and config tags mean, in words (TENSOR_MAP.md);
     - ``chat_template``: (meta folder, ``--chat-template`` file or None) -> (the template to embed,
       or None for the one the model's metadata brings, and one line saying which);
-    - ``chat_template_words``: a set's embedded chat template (its text, or None) -> which it is, in
-      words (the card says it);
+    - ``chat_template_words``: a set's embedded chat template (its text, or None) -> the card's
+      paragraph on it (which template, how to chat with it);
     - ``demo``: (folder, seed) -> writes a small synthetic checkpoint there (``k3lab demo``);
     - ``vision_note``: what llama.cpp does with the model's single file today (the card says it);
     - ``check_logits``: (opened source, GGUF, prompt, token ids, threshold, mode) -> (the whole
@@ -142,7 +142,9 @@ class Guide:
     tags: Mapping[str, str]
     chat_template: Callable[[Path, Path | None], tuple[str | None, str]]
     demo: Callable[[Path, int], Any]
-    chat_template_words: Callable[[str | None], str] = lambda text: "embedded" if text else "none"
+    chat_template_words: Callable[[str | None], str] = lambda text: (
+        f"Chat template: {'in the metadata' if text else 'none'}."
+    )
     vision_note: str = ""  # what llama.cpp does with the model's mmproj today, in a sentence or two
     check_logits: Callable[..., tuple[Any, Any]] | None = None
     check_vision: Callable[..., Any] | None = None

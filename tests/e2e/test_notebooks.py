@@ -104,6 +104,9 @@ def test_03_convert_shard(tiny_src: Path, tiny_one: Path, tmp_path: Path) -> Non
 
 
 def test_04_vision_and_tokenizer(tiny_src: Path, tmp_path: Path) -> None:
+    import moonshot
+
+    moonshot.chat()  # (Moonshot's files unpacked where k3lab finds them: the notebook shows its column)
     out = run_notebook(
         "04-vision-and-tokenizer.ipynb",
         tmp_path,
@@ -120,6 +123,9 @@ def test_04_vision_and_tokenizer(tiny_src: Path, tmp_path: Path) -> None:
     stages = ["patch embed", "position table", "block 0", "block 1", "final norm", "merge", "projector"]
     assert r["stages"] == [[s, True] for s in stages]
     assert (tmp_path / "vision" / "mmproj-Kimi-K3.gguf").is_file()
+    # the sample chat: Moonshot's encoder and the template write the same text, and llama.cpp's ids of
+    # it are Moonshot's (no special-token text in it, no seam that tokenizes otherwise)
+    assert r["chat_same_text"] is True and r["chat_ids"] > 600 and r["chat_ids_differ"] is False
 
 
 def test_05_verify_a_run(tiny_out: Path, tmp_path: Path) -> None:
