@@ -118,6 +118,25 @@ def within(path: str | os.PathLike, root: str | os.PathLike, what: str = "file")
     return real
 
 
+def file_identity(path: str | os.PathLike) -> dict[str, int] | None:
+    """What tells a regular file's bytes unchanged without reading them: size, mtime and ctime (ns),
+    inode and device, links followed (None: not a regular file, or gone). A write changes mtime and
+    ctime, and ctime cannot be set back; a file replaced by another has another inode or ctime."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return {
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+        "ino": st.st_ino,
+        "dev": st.st_dev,
+    }
+
+
 def read_text(path: str | os.PathLike, limit: int, what: str = "file", follow: bool = True) -> str:
     data = read_bounded(path, limit, what, follow)
     try:

@@ -162,6 +162,59 @@ def test_a_changed_shard_header_redoes_its_own_file_only(
     assert after == before
 
 
+@pytest.mark.parametrize("how", ["same size, one byte, mtime put back", "replaced by a copy"])
+def test_a_header_changed_under_a_finished_folder_redoes_exactly_its_readers(
+    tiny_src: Path, tmp_path: Path, how: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rerun trusts a source file's recorded header while its identity (size, mtime, ctime, inode,
+    device) is unchanged; a header that changed is read again however it changed: one byte in the
+    same size with the mtime set back (ctime cannot be), or a new file in its place."""
+    import os
+
+    src = _copy(tiny_src, tmp_path)
+    out = tmp_path / "out"
+    assert convert(src, out) == 0
+    before = _stamps(out)
+    shard = sorted(src.glob("model-*.safetensors"))[2]  # holds layer 2: output file 3
+    data = bytearray(shard.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    assert data[8 + n - 1 : 8 + n] == b" "  # the header's padding: JSON whitespace
+    data[8 + n - 1] = ord("\t")
+    if how.startswith("same size"):
+        st = shard.stat()
+        with open(shard, "r+b") as fh:
+            fh.write(data)
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert shard.stat().st_mtime_ns == st.st_mtime_ns and shard.stat().st_size == st.st_size
+    else:
+        copy = shard.with_name("copy.tmp")
+        copy.write_bytes(data)
+        os.replace(copy, shard)
+    capsys.readouterr()
+    assert convert(src, out) == 0
+    assert "1 written, 8 already complete" in capsys.readouterr().out
+    after = _stamps(out)
+    third = next(p for p in after if "-00003-of-" in p)
+    assert after.pop(third) != before.pop(third)
+    assert after == before
+
+
+def test_a_rerun_with_nothing_to_do_reads_no_header(tiny_src: Path, tmp_path: Path, monkeypatch) -> None:
+    """The saved plan's inputs are proven by the files' identities: no header or metadata file is read
+    or hashed again while they stay as they are; one that changed is (the tests above)."""
+    from k3lab.pipeline.sources import base, spec
+
+    out = tmp_path / "out"
+    assert convert(tiny_src, out) == 0
+    proven = state_json(out / ".k3lab" / "plan.json")["proven"]
+    assert len(proven["files"]) == 9 and {"config.json", "tiktoken.model"} <= set(proven["meta"])
+    reads: list[str] = []
+    monkeypatch.setattr(base, "read_raw_header", lambda path, *a: reads.append(str(path)))
+    monkeypatch.setattr(spec, "sha256_file", lambda path, *a: reads.append(str(path)))
+    assert convert(tiny_src, out) == 0
+    assert reads == []
+
+
 def test_a_task_refuses_a_shard_that_changed_after_planning(tiny_src: Path, tmp_path: Path) -> None:
     src = _copy(tiny_src, tmp_path)
     spec = SourceSpec.local(src)

@@ -124,6 +124,9 @@ class Plan:
     inputs: dict[str, Any] = field(default_factory=dict)  # the fingerprints it was made from
     inputs_digest: str = ""
     split: Split = field(default_factory=Split)
+    # what a later run takes as read while it is unchanged: source and metadata files' identities
+    # beside what was read of them (``planner.proven_inputs``); never part of the inputs' digest
+    proven: dict[str, Any] = field(default_factory=dict)
 
     @property
     def split_keys(self) -> bool:
@@ -168,6 +171,7 @@ class Plan:
             "rules_digest": self.model.rules_digest,
             "inputs_digest": self.inputs_digest,
             "inputs": self.inputs,
+            "proven": self.proven,
             "basename": self.basename,
             "outtype": self.outtype,
             "config": self.cfg.raw,
@@ -247,7 +251,28 @@ class Plan:
             data["inputs"],
             data["inputs_digest"],
             Split.from_json(data["split"]),
+            _proven(data.get("proven", {})),
         )
+
+
+def _proven(data: Any) -> dict[str, Any]:
+    """A saved plan's ``proven`` in the shape ``planner.proven_inputs`` writes, else nothing proven
+    (the files are then read again: a damaged entry costs time, never trust)."""
+    ok: dict[str, Any] = {"files": {}, "meta": {}}
+    if not isinstance(data, dict):
+        return ok
+    for kind, needs in (
+        ("files", ("identity", "fingerprint", "header_sha256")),
+        ("meta", ("identity", "sha256")),
+    ):
+        entries = data.get(kind)
+        if isinstance(entries, dict):
+            ok[kind] = {
+                k: v
+                for k, v in entries.items()
+                if isinstance(v, dict) and all(n in v for n in needs) and isinstance(v["identity"], dict)
+            }
+    return ok
 
 
 def _dominant(types: set[GGMLQuantizationType]) -> str:

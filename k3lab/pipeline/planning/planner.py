@@ -12,11 +12,13 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from gguf import GGMLQuantizationType
 
 from k3lab.errors import K3LabError
+from k3lab.formats.files import file_identity
 from k3lab.formats.gguf_stream import KV, TensorInfo
 from k3lab.formats.safetensors import TensorEntry
 from k3lab.pipeline.model import Model, Rule, TensorSpec
@@ -280,17 +282,61 @@ def plan_kvs(plan: Plan, meta_dir: Any, chat_template: str | None = None) -> lis
 
 
 def inputs_fingerprint(
-    model: Model, source: Any, shards: list[str], options: dict[str, Any]
+    model: Model,
+    source: Any,
+    shards: list[str],
+    options: dict[str, Any],
+    proven: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What the plan depends on, read cheaply: every metadata file's SHA-256, each shard's size and
-    header SHA-256 (the Hub: its SHA-256, and the commit), the options, k3lab's output format and the rule table."""
+    header SHA-256 (the Hub: its SHA-256, and the commit), the options, k3lab's output format and the
+    rule table. A file whose identity is the one ``proven`` (a saved plan's) records is not read."""
+    proven = proven or {}
+    known = proven.get("files", {})
+    fresh = [f for f in shards if not _unchanged(source, f, known)]
+    files = source.file_fingerprints(fresh) if fresh else {}
+    files |= {f: known[f]["fingerprint"] for f in shards if f not in files}
     return {
         "k3lab": [PLAN_FORMAT, OUTPUT_FORMAT, model.name, model.rules_digest],
         "options": options,
-        "meta": meta_fingerprint(source.meta_dir, model.meta_files + model.optional_meta),
-        "files": source.file_fingerprints(shards),
+        "meta": meta_fingerprint(source.meta_dir, model.meta_files + model.optional_meta, proven.get("meta")),
+        "files": {f: files[f] for f in shards},
         "pinned": source.pin(),  # (the Hub: the commit every task reads)
     }
+
+
+def _unchanged(source: Any, file: str, known: dict[str, Any]) -> bool:
+    entry = known.get(file)
+    return (
+        entry is not None and entry.get("identity") is not None and source.identity(file) == entry["identity"]
+    )
+
+
+def proven_inputs(model: Model, source: Any, plan: Plan, before: dict[str, Any]) -> dict[str, Any]:
+    """What a later run may take as read without reading it again: each source file's identity
+    (taken ``before`` its header was read, and the same after the plan was made: a file that changed
+    meanwhile is left out) beside its fingerprint and header SHA-256, and each metadata file's
+    identity beside its SHA-256."""
+    files = {}
+    for s in plan.source_files:
+        identity = before.get(s.file)
+        if identity is not None and source.identity(s.file) == identity:
+            fingerprint = plan.inputs["files"][s.file]
+            files[s.file] = {
+                "identity": identity,
+                "fingerprint": fingerprint,
+                "header_sha256": s.header_sha256,
+            }
+    meta = {}
+    for name, sha in plan.inputs["meta"].items():
+        identity = before.get(name)
+        if (
+            sha is not None
+            and identity is not None
+            and file_identity(Path(source.meta_dir) / name) == identity
+        ):
+            meta[name] = {"identity": identity, "sha256": sha}
+    return {"files": files, "meta": meta}
 
 
 def inputs_digest(inputs: dict[str, Any]) -> str:
@@ -310,10 +356,16 @@ def make_plan(
     basename = basename or model.default_basename
     split = split or Split()
     options = plan_options(outtype, basename, chat_template, split)
+    # (identities before anything is read: a file that changes while the plan is made is not proven)
+    before = {f: source.identity(f) for f in source.files()}
+    before |= {
+        name: file_identity(Path(source.meta_dir) / name) for name in model.meta_files + model.optional_meta
+    }
     cfg = model.load_config(source.meta_dir)
     plan = build_plan(model, cfg, source, outtype, basename, chat_template, progress, split)
     plan.inputs = inputs_fingerprint(model, source, [s.file for s in plan.source_files], options)
     plan.inputs_digest = inputs_digest(plan.inputs)
+    plan.proven = proven_inputs(model, source, plan, before)
     return plan, plan_kvs(plan, source.meta_dir, chat_template)
 
 
@@ -332,7 +384,8 @@ def still_current(saved: Plan, source: Any, options: dict[str, Any]) -> bool:
     """Whether a saved plan was made from these very inputs (cheap: hashes of the metadata files and
     shard headers); a shard gone missing reads as changed (planning again says which)."""
     try:
-        inputs = inputs_fingerprint(saved.model, source, sorted(saved.inputs.get("files", {})), options)
+        shards = sorted(saved.inputs.get("files", {}))
+        inputs = inputs_fingerprint(saved.model, source, shards, options, saved.proven)
         # the config the plan carries must be the one on disk (a plan's own digest can be forged)
         same_config = saved.model.load_config(source.meta_dir).raw == saved.cfg.raw
         if not same_config or inputs_digest(inputs) != saved.inputs_digest:
@@ -340,6 +393,11 @@ def still_current(saved: Plan, source: Any, options: dict[str, Any]) -> bool:
         # and every header it was made from the one read now: a Hub source's inputs are its listing,
         # and a header read wrong (forgotten by the task whose download contradicted it) re-plans
         recorded = {s.file: s.header_sha256 for f in saved.files for s in f.sources}
-        return all(source.header_sha256(file) == sha for file, sha in recorded.items())
+        known = saved.proven.get("files", {})
+        return all(
+            (known[file]["header_sha256"] if _unchanged(source, file, known) else source.header_sha256(file))
+            == sha
+            for file, sha in recorded.items()
+        )
     except K3LabError:
         return False

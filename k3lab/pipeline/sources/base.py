@@ -175,6 +175,12 @@ class Source(abc.ABC):
             self._parse(file)
         return self._header_sha[file]
 
+    def identity(self, file: str) -> dict[str, Any] | None:
+        """What says the file's bytes are those read before, without reading them (a plan records it
+        beside the header's SHA-256, and a later run reads the header again only when it changed);
+        None when nothing can say so."""
+        return None
+
     def distrust(self, file: str) -> None:
         """``file``'s own bytes contradict what was read of it earlier by other means (a header a plan
         was made from): forget those (local: the file is the only copy, nothing to forget)."""

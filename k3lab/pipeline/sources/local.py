@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+from k3lab.formats.files import file_identity
 from k3lab.pipeline.sources.base import Source, SourceError, SourceSpec
 
 
@@ -28,6 +30,10 @@ class LocalSource(Source):
 
     def local_path(self, file: str) -> Path:
         return self.src_dir / file
+
+    def identity(self, file: str) -> dict[str, Any] | None:
+        """The file's size, times, inode and device (``formats.files.file_identity``)."""
+        return file_identity(self.local_path(file))
 
     def _fetch_raw_header(self, file: str) -> tuple[bytes, int]:
         raise SourceError(f"{self.index_path}: names {file}, which is not in {self.src_dir}")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3lab.formats.files import read_chunks
+from k3lab.formats.files import file_identity, read_chunks
 
 META_LIMIT = 256 * 1024 * 1024  # a config, tokenizer file or template larger than this is not one
 
@@ -23,11 +23,18 @@ def sha256_file(path: Path, limit: int = META_LIMIT) -> str:
     return h.hexdigest()
 
 
-def meta_fingerprint(meta_dir: str | Path, names: tuple[str, ...]) -> dict[str, str | None]:
-    """SHA-256 of each metadata file the plan reads (None where an optional one is absent)."""
+def meta_fingerprint(
+    meta_dir: str | Path, names: tuple[str, ...], proven: dict[str, Any] | None = None
+) -> dict[str, str | None]:
+    """SHA-256 of each metadata file the plan reads (None where an optional one is absent). A file
+    whose identity is the one ``proven`` records beside its SHA-256 (``meta_identities``) is not read."""
     out: dict[str, str | None] = {}
     for name in names:
         path = Path(meta_dir) / name
+        known = (proven or {}).get(name)
+        if known is not None and file_identity(path) == known.get("identity"):
+            out[name] = known["sha256"]
+            continue
         present = path.exists() or path.is_symlink()
         out[name] = sha256_file(path) if present else None
     return out
