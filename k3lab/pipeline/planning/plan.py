@@ -75,7 +75,7 @@ class PlannedTensor:
     @property
     def sources(self) -> tuple[str, ...]:
         """The source tensor names, from the rule (not stored: an expert stack has 1,792)."""
-        return tuple(self.rule.source_names(self.cfg, self.layer))
+        return self.rule.source_names(self.cfg, self.layer)
 
     def job(self, entries: Sequence[TensorEntry], read: Any = None, buffer: Any = None) -> TensorJob:
         """What the transform's stream needs to produce this tensor from its source entries (``buffer``:

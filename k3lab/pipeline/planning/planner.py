@@ -9,25 +9,21 @@ header that disagrees with the config can never convert, nor verify.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from gguf import GGMLQuantizationType
 
-from k3lab.errors import K3LabError
 from k3lab.formats.files import file_identity
 from k3lab.formats.gguf_stream import KV, TensorInfo
 from k3lab.formats.safetensors import TensorEntry
 from k3lab.pipeline.model import Model, Rule, TensorSpec
 from k3lab.pipeline.planning.forecast import file_memory, vocab_memory
+from k3lab.pipeline.planning.inputs import inputs_digest, inputs_fingerprint, proven_inputs
 from k3lab.pipeline.planning.plan import (
     FLOAT_DTYPES,
-    OUTPUT_FORMAT,
     OUTTYPES,
-    PLAN_FORMAT,
     Plan,
     PlanError,
     PlannedFile,
@@ -38,7 +34,7 @@ from k3lab.pipeline.planning.plan import (
     size_label,
 )
 from k3lab.pipeline.planning.split import Split, group_units
-from k3lab.pipeline.sources.base import meta_fingerprint
+from k3lab.pipeline.sources.base import SourceFile
 from k3lab.pipeline.streams import TransformError
 
 
@@ -97,7 +93,7 @@ def plan_tensor(
         return None
     if missing:
         raise PlanError(f"{where}: tensor {missing[0]} is missing ({rule.output_name(bid)} needs it)")
-    entries = [source.entry(n) for n in names]
+    entries = source.entries(names)
     for e in entries:
         check_entry(e, expected.get(e.name), bid, rule)
     transform = model.transforms[rule.transform]
@@ -127,7 +123,7 @@ def _choose_variants(rules: list[Rule], cfg: Any, bid: int | None, weight_map: d
         if len(group) == 1:
             chosen.append(r)
             continue
-        present = next((g for g in group if g.source_names(cfg, bid)[0] in weight_map), group[0])
+        present = next((g for g in group if g.first_source_name(bid) in weight_map), group[0])
         if r is present:
             chosen.append(r)
     return chosen
@@ -195,16 +191,17 @@ def build_plan(
     # a file's header is kept while the units it holds are planned, then dropped (bounded memory)
     last_unit = {weight_map[n]: k for k, bid in enumerate(units) for n in by_unit.get(bid, [])}
     used: set[str] = set()
+    described: dict[str, SourceFile] = {}
     planned: list[tuple[int | None, list[PlannedTensor], int]] = []  # (unit, tensors, peak memory)
     for k, bid in enumerate(units):
         home = {weight_map[n] for n in by_unit.get(bid, [])}
         where = next(iter(home)) if len(home) == 1 else str(source.index_path)
         tensors = _plan_unit(model, cfg, source, bid, outtype, config_tags, where)
-        entries = {n: source.entry(n) for t in tensors for n in t.sources}
-        for t in tensors:
-            used.update(t.sources)
+        entries = {e.name: e for t in tensors for e in source.entries(t.sources)}
+        used.update(entries)
         planned.append((bid, tensors, file_memory(tensors, list(entries.values()))))
         for file in [f for f, last in last_unit.items() if last == k]:
+            described[file] = source.source_file(file)  # (while its header is held: read once)
             source.release_header(file)
         if progress is not None:
             progress(k + 1, len(units))
@@ -224,7 +221,7 @@ def build_plan(
             mine = list(dict.fromkeys(weight_map[n] for n in t.sources))
             names += [f for f in mine if f not in names]
             tensors.append(dataclasses.replace(t, files=tuple(names.index(f) for f in mine)))
-        sources = [source.source_file(f) for f in names]
+        sources = [described[f] if f in described else source.source_file(f) for f in names]
         for f in names:
             source.release_header(f)
         pf = PlannedFile(len(files) + 1, "", sources, tensors, [planned[k][0] for k in group])
@@ -278,71 +275,6 @@ def plan_kvs(plan: Plan, meta_dir: Any, chat_template: str | None = None) -> lis
     return plan.model.file_kvs(plan.cfg, meta_dir, name, plan.file_type, chat_template, tensors)
 
 
-# --- what a plan is made from ------------------------------------------------------------------------
-
-
-def inputs_fingerprint(
-    model: Model,
-    source: Any,
-    shards: list[str],
-    options: dict[str, Any],
-    proven: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """What the plan depends on, read cheaply: every metadata file's SHA-256, each shard's size and
-    header SHA-256 (the Hub: its SHA-256, and the commit), the options, k3lab's output format and the
-    rule table. A file whose identity is the one ``proven`` (a saved plan's) records is not read."""
-    proven = proven or {}
-    known = proven.get("files", {})
-    fresh = [f for f in shards if not _unchanged(source, f, known)]
-    files = source.file_fingerprints(fresh) if fresh else {}
-    files |= {f: known[f]["fingerprint"] for f in shards if f not in files}
-    return {
-        "k3lab": [PLAN_FORMAT, OUTPUT_FORMAT, model.name, model.rules_digest],
-        "options": options,
-        "meta": meta_fingerprint(source.meta_dir, model.meta_files + model.optional_meta, proven.get("meta")),
-        "files": {f: files[f] for f in shards},
-        "pinned": source.pin(),  # (the Hub: the commit every task reads)
-    }
-
-
-def _unchanged(source: Any, file: str, known: dict[str, Any]) -> bool:
-    entry = known.get(file)
-    return (
-        entry is not None and entry.get("identity") is not None and source.identity(file) == entry["identity"]
-    )
-
-
-def proven_inputs(model: Model, source: Any, plan: Plan, before: dict[str, Any]) -> dict[str, Any]:
-    """What a later run may take as read without reading it again: each source file's identity
-    (taken ``before`` its header was read, and the same after the plan was made: a file that changed
-    meanwhile is left out) beside its fingerprint and header SHA-256, and each metadata file's
-    identity beside its SHA-256."""
-    files = {}
-    for s in plan.source_files:
-        identity = before.get(s.file)
-        if identity is not None and source.identity(s.file) == identity:
-            fingerprint = plan.inputs["files"][s.file]
-            files[s.file] = {
-                "identity": identity,
-                "fingerprint": fingerprint,
-                "header_sha256": s.header_sha256,
-            }
-    meta = {}
-    for name, sha in plan.inputs["meta"].items():
-        identity = before.get(name)
-        if (
-            sha is not None
-            and identity is not None
-            and file_identity(Path(source.meta_dir) / name) == identity
-        ):
-            meta[name] = {"identity": identity, "sha256": sha}
-    return {"files": files, "meta": meta}
-
-
-def inputs_digest(inputs: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
-
-
 def make_plan(
     model: Model,
     source: Any,
@@ -357,7 +289,7 @@ def make_plan(
     split = split or Split()
     options = plan_options(outtype, basename, chat_template, split)
     # (identities before anything is read: a file that changes while the plan is made is not proven)
-    before = {f: source.identity(f) for f in source.files()}
+    before = {f: source.content_identity(f) for f in source.files()}
     before |= {
         name: file_identity(Path(source.meta_dir) / name) for name in model.meta_files + model.optional_meta
     }
@@ -378,26 +310,3 @@ def plan_options(
         "chat_template": chat_template,
         "split": (split or Split()).to_json(),
     }
-
-
-def still_current(saved: Plan, source: Any, options: dict[str, Any]) -> bool:
-    """Whether a saved plan was made from these very inputs (cheap: hashes of the metadata files and
-    shard headers); a shard gone missing reads as changed (planning again says which)."""
-    try:
-        shards = sorted(saved.inputs.get("files", {}))
-        inputs = inputs_fingerprint(saved.model, source, shards, options, saved.proven)
-        # the config the plan carries must be the one on disk (a plan's own digest can be forged)
-        same_config = saved.model.load_config(source.meta_dir).raw == saved.cfg.raw
-        if not same_config or inputs_digest(inputs) != saved.inputs_digest:
-            return False
-        # and every header it was made from the one read now: a Hub source's inputs are its listing,
-        # and a header read wrong (forgotten by the task whose download contradicted it) re-plans
-        recorded = {s.file: s.header_sha256 for f in saved.files for s in f.sources}
-        known = saved.proven.get("files", {})
-        return all(
-            (known[file]["header_sha256"] if _unchanged(source, file, known) else source.header_sha256(file))
-            == sha
-            for file, sha in recorded.items()
-        )
-    except K3LabError:
-        return False

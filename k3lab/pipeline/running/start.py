@@ -13,8 +13,9 @@ from pathlib import Path
 from tqdm.auto import tqdm  # a widget bar in a notebook, a text bar on a terminal
 
 from k3lab.pipeline.model import Model
+from k3lab.pipeline.planning.inputs import still_current
 from k3lab.pipeline.planning.plan import Plan
-from k3lab.pipeline.planning.planner import make_plan, plan_options, still_current
+from k3lab.pipeline.planning.planner import make_plan, plan_options
 from k3lab.pipeline.planning.split import Split
 from k3lab.pipeline.sources import open_source
 from k3lab.pipeline.sources.base import Source, SourceSpec

@@ -225,10 +225,6 @@ class HubSource(Downloads, RangedReads, Source):
             write_fetched(fetched_path, fetched)
 
     # --- files ---
-    def identity(self, file: str) -> dict[str, Any] | None:
-        """The commit and the file's SHA-256 there: content-addressed, the same bytes by definition."""
-        return {"commit": self.commit, "sha256": self.remote(file).oid}
-
     def file_fingerprints(self, files: list[str]) -> dict[str, dict[str, Any]]:
         """Size and SHA-256 of each file at the pinned commit (from the one metadata call)."""
         return {f: {"size": self.remote(f).size, "sha256": self.remote(f).oid} for f in files}

@@ -31,7 +31,7 @@ class LocalSource(Source):
     def local_path(self, file: str) -> Path:
         return self.src_dir / file
 
-    def identity(self, file: str) -> dict[str, Any] | None:
+    def content_identity(self, file: str) -> dict[str, Any] | None:
         """The file's size, times, inode and device (``formats.files.file_identity``)."""
         return file_identity(self.local_path(file))
 
