@@ -159,16 +159,35 @@ SHAPE_STEP = 1 << 20  # bytes scanned at once by ``json_shape`` (its temporaries
 
 
 def json_shape(data: bytes) -> tuple[int, int, int]:
-    """(how deep brackets nest, how many commas separate values, how many objects open), strings
-    left out: counted in one
+    return json_counts(data)[:3]
+
+
+def json_counts(data: bytes) -> tuple[int, int, int, int]:
+    """(how deep brackets nest, how many commas separate values, how many objects open, how many
+    colons pair a key with a value), strings left out: counted in one
     linear pass, a MiB at a time, with no regular expression and no recursion (json.loads recurses,
     and a pattern for strings can be made to backtrack over every quote of crafted text: quadratic
     time). A quote ends a string unless an odd run of backslashes precedes it."""
-    top = depth = commas = objects = 0
+    top = depth = commas = objects = colons = 0
     inside, run = 0, 0  # within a string after the bytes so far; backslashes ending them
     for at in range(0, len(data), SHAPE_STEP):
         b = np.frombuffer(data, dtype=np.uint8, count=min(SHAPE_STEP, len(data) - at), offset=at)
         n = b.size
+        if run == 0 and data.find(b"\\", at, at + n) < 0:
+            # no backslash (a safetensors header has none): every quote opens or closes a string
+            quote = b == 0x22
+            flips = np.cumsum(quote, dtype=np.int32)
+            outside = ((flips + inside) & 1 == 0) & ~quote
+            steps = (b == 0x7B).view(np.int8) + (b == 0x5B).view(np.int8)
+            steps -= (b == 0x7D).view(np.int8) + (b == 0x5D).view(np.int8)
+            steps[~outside] = 0
+            levels = np.cumsum(steps, dtype=np.int32) + depth
+            top, depth = max(top, int(levels.max())), int(levels[-1])
+            commas += int(np.count_nonzero(outside & (b == 0x2C)))
+            objects += int(np.count_nonzero(outside & (b == 0x7B)))
+            colons += int(np.count_nonzero(outside & (b == 0x3A)))
+            inside = int(flips[-1] + inside) & 1
+            continue
         idx = np.arange(n, dtype=np.int64)
         last_plain = np.maximum.accumulate(np.where(b != 0x5C, idx, -1))  # last non-backslash so far
         before = np.empty(n, dtype=np.int64)  # backslashes right before each byte
@@ -182,9 +201,10 @@ def json_shape(data: bytes) -> tuple[int, int, int]:
         top, depth = max(top, int(levels.max())), int(levels[-1])
         commas += int(np.count_nonzero(outside & (b == 0x2C)))
         objects += int(np.count_nonzero(outside & (b == 0x7B)))
+        colons += int(np.count_nonzero(outside & (b == 0x3A)))
         inside = int(flips[-1] % 2)
         run = int(n - 1 - last_plain[-1]) + (run if last_plain[-1] < 0 else 0)
-    return top, commas, objects
+    return top, commas, objects, colons
 
 
 def json_depth(data: bytes) -> int:

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from k3lab.errors import K3LabError
-from k3lab.formats.files import InputFileError, json_depth, open_regular, read_json
+from k3lab.formats.files import InputFileError, json_counts, open_regular, read_json
 
 DTYPE_SIZE = {
     "BOOL": 1,
@@ -173,15 +173,27 @@ def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     return out
 
 
+def _keys(header: dict) -> int:
+    """The keys of a parsed header and of the objects directly in it. Never more than the text's
+    pairs (each key comes of a colon); equal only when no key of these two levels was named twice
+    and nothing nests deeper (else the exact, slower parse decides)."""
+    return len(header) + sum(len(v) for v in header.values() if type(v) is dict)
+
+
 def parse_header(
     raw: bytes, file: str, file_size: int | None
 ) -> tuple[dict[str, TensorEntry], dict[str, str]]:
     """Parse a header (the bytes after the 8-byte length). Returns (entries by name, __metadata__)."""
-    depth = json_depth(raw)
+    depth, _, _, pairs = json_counts(raw)
     if depth > MAX_NESTING:
         raise SafetensorsError(f"{file}: header nests {depth} levels deep; a safetensors header is flat")
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        text = raw.decode("utf-8")
+        header = json.loads(text)
+        # a key named twice would silently keep its last value: the text's pairs (its colons outside
+        # strings) against the objects' keys finds one at C speed; the slow parse then names it
+        if pairs != _keys(header):
+            json.loads(text, object_pairs_hook=_no_duplicates)
     except _DuplicateKey as e:
         said = str(e) if not _CONTROL.search(str(e)) else repr(str(e))
         raise SafetensorsError(f"{file}: tensor {said}: appears twice in the header") from None
@@ -194,8 +206,9 @@ def parse_header(
     entries: dict[str, TensorEntry] = {}
     limit = None if file_size is None else file_size - data_start
     size_of, prod, make = DTYPE_SIZE.get, math.prod, TensorEntry
+    named = _CONTROL.search("".join(header)) is not None  # (one search; the loop names the name)
     for name, info in header.items():
-        if _CONTROL.search(name):  # (as in an index: a name is said in one line, or refused)
+        if named and _CONTROL.search(name):  # (as in an index: a name is said in one line, or refused)
             raise SafetensorsError(f"{file}: tensor name {name!r} holds a control character")
         try:
             dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]

@@ -116,6 +116,7 @@ def test_convert_fans_out_on_an_existing_scheduler(tiny_src: Path, tiny_out: Pat
     )
 
 
+@pytest.mark.slow  # (45 s: it waits out a cell timeout)
 def test_a_hung_kernel_is_one_line_and_the_others_go_on(tiny_src: Path, tmp_path: Path, capsys) -> None:
     """A notebook whose cell never ends (file 2: a sleep) and one whose kernel stops answering at all
     (file 3: SIGSTOP) are each stopped at the cell timeout and named, notebook and cell, in one line

@@ -142,7 +142,9 @@ def test_a_failing_convert_says_one_line_and_no_note_before_it(tiny_src: Path, t
     r = run_cli(None, "convert", "--meta", str(src), "--out-dir", str(tmp_path / "out"))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and shard.name in r.stderr, r.stderr
     ok = run_cli(None, "convert", "--meta", str(tiny_src), "--out-dir", str(tmp_path / "ok"))
-    assert ok.returncode == 0 and ok.stderr.startswith("k3lab: chat template: k3lab's Kimi-K3 template"), ok.stderr
+    assert ok.returncode == 0 and ok.stderr.startswith("k3lab: chat template: k3lab's Kimi-K3 template"), (
+        ok.stderr
+    )
 
 
 def test_a_convert_that_finishes_no_file_leaves_nothing_and_one_that_finished_some_keeps_them(

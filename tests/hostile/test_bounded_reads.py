@@ -8,6 +8,7 @@ that used to take minutes would time the subprocess out)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 import subprocess
@@ -123,12 +124,16 @@ def test_json_crafted_against_a_pattern_is_read_in_linear_time(tiny_src: Path, t
         parse_json(b'{"files": "' + b'\\"' * 2_000_000, "MANIFEST.json")
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.text(alphabet='{}[],"\\ab:', max_size=60))
-def test_json_shape_counts_as_a_plain_scan_does(text: str) -> None:
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet='{}[],"\\ab:', max_size=60), st.sampled_from([1 << 20, 5, 1]))
+def test_json_shape_counts_as_a_plain_scan_does(text: str, step: int) -> None:
     """The linear scan against a character-by-character reading of the same rule: a quote after an
     odd run of backslashes is not one (inside a string that is JSON's escape; outside one a backslash
-    is invalid JSON, which json.loads refuses at that byte, so the counts up to it are exact)."""
+    is invalid JSON, which json.loads refuses at that byte, so the counts up to it are exact). Scanned
+    in steps of ``step`` bytes too: a string, a run of backslashes or a nesting carried from step to
+    step, through both of the scan's ways (a step with no backslash takes the quick one)."""
+    import k3lab.formats.files as files
+
     depth = top = commas = objects = 0
     inside = False
     backslashes = 0
@@ -144,7 +149,12 @@ def test_json_shape_counts_as_a_plain_scan_does(text: str) -> None:
         elif not inside and ch == ",":
             commas += 1
         backslashes = backslashes + 1 if ch == "\\" else 0
-    assert json_shape(text.encode()) == (top, commas, objects)
+    real_step = files.SHAPE_STEP
+    files.SHAPE_STEP = step
+    try:
+        assert json_shape(text.encode()) == (top, commas, objects)
+    finally:
+        files.SHAPE_STEP = real_step
 
 
 # --- GGUF headers ---------------------------------------------------------------------------------
@@ -277,3 +287,36 @@ def test_the_listing_shape_limits_leave_room_for_kimi_k3(tmp_path: Path) -> None
     assert json_shape(json.dumps({"siblings": siblings}).encode())[2] < 1000
     entries = {"files": [{"sources": [{"name": f"t{i}", "file": "f"} for i in range(1_000_000)]}]}
     assert len(parse_json(json.dumps(entries).encode(), "MANIFEST.json")["files"][0]["sources"]) == 1_000_000
+
+
+@pytest.mark.parametrize(
+    ("text", "found"),
+    [
+        (
+            '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}',
+            "tensor a: appears twice",
+        ),
+        (
+            '{"a":{"dtype":"F32","dtype":"U8","shape":[1],"data_offsets":[0,4]}}',
+            "tensor dtype: appears twice",
+        ),
+        (
+            '{"__metadata__":{"k":"v","k":"w"},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+            "tensor k: appears twice",
+        ),
+        ('{"__metadata__":{"k":"v"},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', None),
+        ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":{"y":1}}}', None),
+    ],
+)
+def test_a_header_naming_a_key_twice_is_refused(text: str, found: str | None) -> None:
+    """A key named twice would silently keep its last value (as the safetensors library refuses it):
+    found whatever the level, while a header without one parses (nested objects included)."""
+    from k3lab.formats.safetensors import SafetensorsError, parse_header
+
+    raw = text.encode()
+    if found is None:
+        entries, _ = parse_header(raw, "m.safetensors", 8 + len(raw) + 8)
+        assert list(entries) == ["a"]
+        return
+    with pytest.raises(SafetensorsError, match=re.escape(f"m.safetensors: {found} in the header")):
+        parse_header(raw, "m.safetensors", 8 + len(raw) + 8)
