@@ -1119,13 +1119,10 @@ def bench_rerun() -> list[tuple[str, str, str]]:
     import tempfile
 
     from k3lab.formats.bpe_merges import bpe_merge_ranks
-    from k3lab.kimi_k3.synth import synthesize
     from k3lab.kimi_k3.tokenizer import read_tiktoken
 
     with tempfile.TemporaryDirectory(dir=".") as tmp:
-        src = Path(os.environ.get("K3LAB_FULL") or Path(tmp) / "full")
-        if not (src / "config.json").exists():
-            synthesize("full", src)
+        src = _full_checkpoint(Path(tmp))
         out = Path(tmp) / "out"
         k3 = [sys.executable, "-m", "k3lab.cli"]
         plans = [_run_timed([*k3, "plan", "--meta", str(src)]) for _ in range(3)]

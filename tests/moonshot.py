@@ -27,8 +27,10 @@ from typing import Any
 
 import pytest
 
-WHEEL = "llmcompressor==0.14.0.1"
-CACHE = Path(os.environ.get("K3LAB_JUDGE_CACHE", Path.home() / ".cache" / "k3lab")) / "llmcompressor-0.14.0.1"
+from k3lab.kimi_k3 import moonshot as found  # (where k3lab looks for these files: the same place)
+
+WHEEL = found.WHEEL
+CACHE = found.cache()
 PACKAGE = "llmcompressor.modeling.kimi_k3"
 
 
@@ -59,16 +61,21 @@ def _unpacked() -> Path:
     return root
 
 
-def modeling() -> types.SimpleNamespace:
-    """Moonshot's modules (``config``, ``text``, ``model``, ``vision_processing``), importable here."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    root = _unpacked()
-    for name in ("llmcompressor", "llmcompressor.modeling", "llmcompressor.modeling.moe"):
+def _stand_ins(root: Path, packages: tuple[str, ...]) -> None:
+    """Empty parent packages over the unpacked files, so that the package's own ``__init__`` (its
+    training stack) never runs."""
+    for name in packages:
         if name not in sys.modules:
             stand_in = types.ModuleType(name)
             stand_in.__path__ = [str(root / name.replace(".", "/"))]
             sys.modules[name] = stand_in
+
+
+def modeling() -> types.SimpleNamespace:
+    """Moonshot's modules (``config``, ``text``, ``model``, ``vision_processing``), importable here."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    _stand_ins(_unpacked(), ("llmcompressor", "llmcompressor.modeling", "llmcompressor.modeling.moe"))
     with contextlib.redirect_stderr(open(os.devnull, "w")):  # (its "install fla" warning)
         text = importlib.import_module(f"{PACKAGE}.modeling_kimi_linear")
         model = importlib.import_module(f"{PACKAGE}.modeling_kimi_k3")
@@ -187,12 +194,7 @@ def chat() -> types.SimpleNamespace:
     (``TikTokenTokenizer``, whose ``apply_chat_template`` encodes the segments one by one)."""
     pytest.importorskip("transformers")
     pytest.importorskip("tiktoken")
-    root = _unpacked()
-    for name in ("llmcompressor", "llmcompressor.modeling"):
-        if name not in sys.modules:
-            stand_in = types.ModuleType(name)
-            stand_in.__path__ = [str(root / name.replace(".", "/"))]
-            sys.modules[name] = stand_in
+    _stand_ins(_unpacked(), ("llmcompressor", "llmcompressor.modeling"))
     encoding = importlib.import_module(f"{PACKAGE}.encoding_k3")
     tokenization = importlib.import_module(f"{PACKAGE}.tokenization_kimi")
     return types.SimpleNamespace(encoding=encoding, tokenization=tokenization)

@@ -121,7 +121,8 @@ def within(path: str | os.PathLike, root: str | os.PathLike, what: str = "file")
 def file_identity(path: str | os.PathLike) -> dict[str, int] | None:
     """What tells a regular file's bytes unchanged without reading them: size, mtime and ctime (ns),
     inode and device, links followed (None: not a regular file, or gone). A write changes mtime and
-    ctime, and ctime cannot be set back; a file replaced by another has another inode or ctime."""
+    ctime, and ctime cannot be set back; a file replaced by another has another inode or ctime.
+    (``state.proof.identity`` is the output side's: files k3lab made, never links, as records keep it.)"""
     try:
         st = os.stat(path)
     except OSError:

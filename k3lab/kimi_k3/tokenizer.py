@@ -9,7 +9,8 @@ transformers or the repo's remote code:
   BPE on its bytes allowing only lower ranks; if that ends in two parts, they are its merge.
   ``bpe_merges.merges_reference`` is that definition written plainly; ``bpe_merges.bpe_merges``
   computes the same list in compiled code;
-- special ids: eos is the config's ``<|end_of_msg|>``, not ``[EOS]``.
+- special ids: eos is the config's ``<|end_of_msg|>``, not ``[EOS]``;
+- the chat template: the checkpoint's own, else k3lab's (``chat.py``: Kimi-K3 ships its format as Python).
 """
 
 from __future__ import annotations

@@ -69,6 +69,10 @@ def _check_card_as_a_user(
         card.validate()  # (the loopback Hub's /api/validate-yaml, as huggingface_hub asks the real one)
     finally:
         constants.ENDPOINT = real
+    # the chat template the set's file 1 carries, said as what it is (k3lab's: the card says so and how to chat)
+    from k3lab.kimi_k3 import chat
+
+    assert chat.card_paragraph(chat.template()) in text and "llama-server --jinja" in text
     # every file the card names is in the repo
     for name in set(re.findall(r"`([\w.-]+\.(?:gguf|json|md))`", text)) - {"TEMPLATE.jinja"}:
         assert name in files, name

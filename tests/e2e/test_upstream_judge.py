@@ -20,18 +20,16 @@ import os
 import shutil
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 from conftest import convert
+from llama_tree import CACHE, vendor_tree
 
 pytestmark = pytest.mark.slow
 
-SDIST = "llama-cpp-python==0.3.36"
-CACHE = Path(os.environ.get("K3LAB_JUDGE_CACHE", Path.home() / ".cache" / "k3lab" / "upstream-judge"))
 # upstream's converter, with its vocabulary step switched off (see the module docstring)
 LAUNCHER = """
 import runpy, sys
@@ -58,25 +56,7 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="session")
 def judge() -> tuple[Path, Path]:
     """(the judge venv's python, the vendored llama.cpp tree), made once and cached."""
-    vendor = CACHE / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
-    if not (vendor / "convert_hf_to_gguf.py").exists():
-        CACHE.mkdir(parents=True, exist_ok=True)
-        _run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--no-binary",
-                ":all:",
-                SDIST,
-                "-d",
-                str(CACHE),
-            ]
-        )
-        with tarfile.open(next(CACHE.glob("llama_cpp_python-0.3.36.tar.gz"))) as tar:
-            tar.extractall(CACHE, filter="data")
+    vendor = vendor_tree()
     python = CACHE / "venv" / "bin" / "python"
     if not python.exists():
         _run([sys.executable, "-m", "venv", str(CACHE / "venv")])

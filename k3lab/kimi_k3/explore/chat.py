@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from k3lab.kimi_k3 import chat, moonshot
-from k3lab.kimi_k3.tokenizer import build_vocabulary, read_tiktoken
+from k3lab.kimi_k3.tokenizer import read_specials, read_tiktoken
 
 SAMPLE_TOOLS = [
     {
@@ -95,7 +95,7 @@ def chat_three_ways(
         "llama.cpp ids": llama_ids,
         "tokenized by": by,
         "pieces": {i: enc.decode_single_token_bytes(i) for i in set(llama_ids) | set(their_ids or [])},
-        "special ids": set(enc._special_tokens.values()),
+        "special ids": {enc.encode_single_token(t) for t in enc.special_tokens_set},
         "note": note,
     }
 
@@ -106,12 +106,12 @@ def _tiktoken(meta: str | Path) -> Any:
     from k3lab.kimi_k3.tokenizer import KIMI_PAT_STR
 
     ranked = read_tiktoken(Path(meta) / "tiktoken.model")
-    vocab = build_vocabulary(meta)
+    specials, _ = read_specials(Path(meta) / "tokenizer_config.json")
     return tiktoken.Encoding(
         "k3",
         pat_str=KIMI_PAT_STR,
         mergeable_ranks={t: r for r, t in enumerate(ranked)},
-        special_tokens={t: i for i, t in vocab.specials.items()},
+        special_tokens={t: i for i, t in specials.items()},
     )
 
 
@@ -162,7 +162,10 @@ def chat_differences(ways: dict) -> list[dict]:
     end_a, end_b = len(a), len(b)
     while end_a > start and end_b > start and a[end_a - 1] == b[end_b - 1]:
         end_a, end_b = end_a - 1, end_b - 1
-    show = lambda ids: repr(b"".join(ways["pieces"][i] for i in ids).decode("utf-8", "replace"))  # noqa: E731
+
+    def show(ids: list[int]) -> str:
+        return repr(b"".join(ways["pieces"][i] for i in ids).decode("utf-8", "replace"))
+
     return [
         {
             "from position": start,
