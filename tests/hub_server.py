@@ -10,6 +10,11 @@ must resume with a ranged request) and answers every seventh GET with a 503; ``o
 drops every connection unanswered for a while (the Hub unreachable); ``throttle`` caps each
 shard download's rate (bytes/s); ``corrupt`` serves a file with a byte flipped; ``token`` requires one. Everything stays on 127.0.0.1 and the server stops
 when the test ends.
+
+Storage is Xet, as on today's Hub (``xet=True``, the default): a large file's ``/resolve/`` answers a
+redirect to a bridge that serves its bytes, with the ``X-Xet-Hash`` and token route that hf_xet reads,
+and uploads go to a loopback CAS (``xet_cas.XetCas``, under ``/cas``). ``xet=False``: the LFS protocol
+(pre-upload, LFS batch, PUT), and clients told so (``HF_HUB_DISABLE_XET=1``).
 """
 
 from __future__ import annotations
@@ -149,8 +154,12 @@ class HubServer:
         faults: bool = False,
         token: str | None = None,
         large: int | None = None,
+        xet: bool = True,
     ):
-        self.repo, self.faults, self.token = repo, faults, token
+        from xet_cas import XetCas
+
+        self.repo, self.faults, self.token, self.xet = repo, faults, token, xet
+        self.cas = XetCas(self)
         self.lock = threading.Lock()
         self.requests: list[tuple[str, str, str]] = []  # (method, path, range)
         self.served: list[tuple[str, str, int]] = []  # (path, range, body bytes sent) per file answer
@@ -256,7 +265,7 @@ class HubServer:
 
     def client_env(self, tmp: Path, token: str | None = None) -> dict[str, str]:
         """The environment of a k3lab process using this Hub: its endpoint, a home of its own, the
-        token (or none), and no Xet (this Hub speaks the LFS upload protocol)."""
+        token (or none); no Xet when this Hub speaks only the LFS protocol."""
         import os
 
         env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
@@ -264,9 +273,10 @@ class HubServer:
             "HF_ENDPOINT": self.url,
             "HF_HOME": str(tmp / "hf-home"),
             "HF_HUB_DISABLE_TELEMETRY": "1",
-            "HF_HUB_DISABLE_XET": "1",
             "K3LAB_CACHE": str(tmp / "k3lab-cache"),
         }
+        if not self.xet:
+            env["HF_HUB_DISABLE_XET"] = "1"
         if token:
             env["HF_TOKEN"] = token
         return env
@@ -386,13 +396,20 @@ class HubServer:
         if time.monotonic() < self._down_until:
             return self._drop(h)
         path = urllib.parse.unquote(h.path.split("?")[0])
+        if path.startswith("/cas/"):
+            return self.cas.handle(h, "HEAD" if head else "GET", path, b"")
+        token = re.fullmatch(r"/api/models/(?P<repo>[^/]+/[^/]+)/xet-(?:read|write)-token/(?P<rev>.+)", path)
+        if token:
+            return self._resolve(h, token["repo"], "main") and self.cas.token(h)
         tree = re.fullmatch(r"/api/models/(?P<repo>[^/]+/[^/]+)/tree/(?P<rev>[^/]+)(?:/(?P<path>.*))?", path)
         if tree:
             return self._tree(h, tree["repo"], tree["rev"], tree["path"] or "")
         api = re.fullmatch(r"/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>.+))?", path)
         if api:
             return self._info(h, head, api["repo"], api["rev"] or "main")
-        m = re.fullmatch(r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)", path)
+        m = re.fullmatch(
+            r"/(?P<bridge>cas-bridge/)?(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)", path
+        )
         if not m:
             return self._error(h, 404, "RepoNotFound", f"Repository {h.path} not found")
         commit = self._resolve(h, m["repo"], m["rev"])
@@ -418,6 +435,8 @@ class HubServer:
                 h.end_headers()
                 return
         lfs = m["file"].endswith(LFS_SUFFIXES)
+        if self.xet and lfs and not m["bridge"]:
+            return self._xet_redirect(h, m["repo"], commit, m["file"], data)
         if not head:
             with self.lock:
                 self.transfers.append((m["file"], start, end, size))
@@ -476,6 +495,28 @@ class HubServer:
         finally:
             self._served(m["file"], rng, sent)
 
+    def _xet_redirect(
+        self, h: BaseHTTPRequestHandler, repo: str, commit: str, file: str, data: bytes
+    ) -> None:
+        """A Xet file's ``/resolve/``, as the Hub answers it: a redirect to the bridge serving its bytes,
+        with the Xet hash and token route huggingface_hub hands to hf_xet, size and SHA-256 beside."""
+        sha = sha256_of(data)
+        # (a file served from disk, terabytes of holes, is only ever read by ranges through the bridge:
+        # the CAS does not chunk it, and its Xet hash names nothing hf_xet could rebuild)
+        fhash = hashlib.sha256(b"file" + sha.encode()).hexdigest()
+        if not isinstance(data, FileBlob):
+            fhash = self.cas.register(data, sha)
+        h.send_response(302)
+        h.send_header("Location", f"{self.url}/cas-bridge/{repo}/resolve/{commit}/{urllib.parse.quote(file)}")
+        h.send_header("X-Repo-Commit", commit)
+        h.send_header("X-Xet-Hash", fhash)
+        h.send_header("Link", f'<{self.url}/api/models/{repo}/xet-read-token/{commit}>; rel="xet-auth"')
+        h.send_header("X-Linked-Size", str(len(data)))
+        h.send_header("X-Linked-Etag", f'"{sha}"')
+        h.send_header("ETag", f'"{sha}"')
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+
     def _read_paced(self, h: BaseHTTPRequestHandler, n: int) -> bytes:
         """A request body, taken no faster than the uplink carries it (``uplink`` bytes/s)."""
         if not self.uplink:
@@ -488,6 +529,18 @@ class HubServer:
             self._take("_up_free", len(chunk), self.uplink)
             parts.append(chunk)
             left -= len(chunk)
+        return b"".join(parts)
+
+    def _read_trickle(self, h: BaseHTTPRequestHandler, n: int) -> bytes:
+        """A request body taken at 2 kB/s (a CAS that reads an upload too slowly), given up after 60 s."""
+        parts, left, until = [], n, time.monotonic() + 60
+        while left and time.monotonic() < until:
+            chunk = h.rfile.read(min(left, 200))
+            if not chunk:
+                break
+            parts.append(chunk)
+            left -= len(chunk)
+            time.sleep(0.1)
         return b"".join(parts)
 
     def _pace(self, n: int) -> None:
@@ -591,7 +644,10 @@ class HubServer:
             body = b"".join(parts)
         else:
             length = int(h.headers.get("Content-Length", "0") or 0)
-            body = self._read_paced(h, length) if length else b""
+            if self.cas.trickle and h.path.startswith("/cas/"):
+                body = self._read_trickle(h, length)
+            else:
+                body = self._read_paced(h, length) if length else b""
         path = urllib.parse.unquote(h.path.split("?")[0])
         with self.lock:
             self.requests.append((method, h.path, ""))
@@ -600,10 +656,12 @@ class HubServer:
         if (
             self.token
             and h.headers.get("Authorization") != f"Bearer {self.token}"
-            and not path.startswith("/lfs-upload/")
+            and not path.startswith(("/lfs-upload/", "/cas/"))
             and path != "/api/validate-yaml"
         ):
             return self._error(h, 401, "", "Invalid credentials in Authorization header")
+        if path.startswith("/cas/"):
+            return self.cas.handle(h, method, path, body)
         if method == "PUT" and (m := re.fullmatch(r"/lfs-upload/(?P<oid>[0-9a-f]{64})", path)):
             with self.lock:
                 self._puts += 1

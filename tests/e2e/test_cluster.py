@@ -402,9 +402,17 @@ def test_ctrl_c_while_a_worker_publishes_stops_its_uploads(
         _signal(run, signal.SIGINT)
         out, err = run.communicate(timeout=120)
         assert run.returncode == 130, err
-        at_exit = (len(hub.uploads), hub.files_of(target, "main") if target in hub.repos else {})
+
+        def reached() -> tuple:  # (files uploaded, any request to the Xet CAS, the branch's files)
+            return (
+                len(hub.uploads),
+                len(hub.cas.requests),
+                hub.files_of(target, "main") if target in hub.repos else {},
+            )
+
+        at_exit = reached()
         time.sleep(4)  # a task that went on would upload or commit within this
-        assert (len(hub.uploads), hub.files_of(target, "main") if target in hub.repos else {}) == at_exit
+        assert reached() == at_exit
         hub.uplink = None
         again = _convert(hub, tmp_path, *extra)
         assert again.returncode == 0, again.stderr[-3000:]

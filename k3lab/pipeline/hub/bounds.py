@@ -123,8 +123,27 @@ def check_shape(body: bytes, url: str) -> None:
         )
 
 
-class TooSlowUp(httpx2.WriteTimeout):
-    """A request body (an upload) sent below the minimum rate for a whole window: a timeout."""
+class TooSlowUp(httpx2.TransportError):
+    """A request body (an upload) sent below the minimum rate for a whole window. Not one of httpx's
+    timeouts on purpose: huggingface_hub retries those itself (five times, ~23 s of waits, outside any
+    budget); k3lab's retry budget rides this one out (``retry.is_transient``)."""
+
+
+class NoAnswer(httpx2.TransportError):
+    """An upload whose body went out (into the socket's buffers) but whose answer did not come in the
+    time the minimum rate allows for the bytes the buffers may still hold, plus a window."""
+
+
+IN_FLIGHT = (
+    16 << 20
+)  # bytes an upload may have in the kernel's buffers (send and receive) when the last write returns
+
+
+def answer_wait(body_bytes: int) -> float:
+    """Seconds an upload of ``body_bytes`` may wait for its answer after its last write: the bytes the
+    buffers may hold, taken at the minimum rate, and one window (the server's own work)."""
+    rate, window = speed_limit()
+    return window + min(body_bytes, IN_FLIGHT) / rate
 
 
 class PacedStream:

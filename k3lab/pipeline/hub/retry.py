@@ -99,6 +99,9 @@ def _reason(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     status = _status(e)
     reason = text[0] if text else type(e).__name__
+    cause = e.__cause__
+    if status is None and cause is not None and isinstance(e, RuntimeError):  # (huggingface_hub's wrapper
+        reason = f"{reason.rstrip('.')}: {_reason(cause)}"  # of an upload's error: say what it wraps)
     return f"{status} {reason}" if status and str(status) not in reason else reason
 
 

@@ -8,8 +8,11 @@
   BYTES/SECONDS``) fails with ``TooSlow``, a timeout: a trickling server ends a transfer in bounded
   time, and ``retry.with_retries`` spends the retry budget on it like any outage.
 - **Uploads.** A request body is held to the same minimum rate (``bounds.PacedStream``, on the client's
-  connections): a PUT to an uplink that trickles fails with ``TooSlowUp``, a timeout, in bounded
-  time, and the retry budget covers a dead uplink as it covers a dead downlink.
+  connections): a PUT to an uplink that trickles fails with ``TooSlowUp`` in bounded time. A body the
+  socket's buffers take whole (a small file) has its answer's wait bounded instead (``NoAnswer``,
+  ``bounds.answer_wait``): a server that reads it too slowly fails in a window plus the time the
+  buffered bytes need at the minimum rate. Neither is a timeout huggingface_hub retries by itself: the
+  retry budget covers a dead uplink as it covers a dead downlink, counting every attempt.
 - **Bytes.** A body longer than its ``Content-Length``, an API answer over ``API_LIMIT`` and a
   ranged answer longer than the range asked for are cut and refused (``WrongAnswer``), as is an
   answer of the wrong kind (a web page where a file was asked, a range the server did not give).
@@ -42,10 +45,12 @@ from k3lab.pipeline.hub.bounds import (  # (re-exported: what a transfer may rai
     ERROR_LIMIT,
     SPEED_ENV,
     TIMEOUTS,
+    NoAnswer,
     TooSlow,
     TooSlowUp,
     WatchedBody,
     WrongAnswer,
+    answer_wait,
     pace_uploads,
     progress_that_counts,
     speed_limit,
@@ -85,8 +90,19 @@ class BoundedTransport(httpx2.BaseTransport):
         for key, value in TIMEOUTS.items():
             if timeout.get(key) is None:
                 timeout[key] = value
+        body = _upload_bytes(request)
+        if body:  # (the socket may take a small body whole: the answer's wait holds the rate instead)
+            timeout["read"] = min(timeout["read"], answer_wait(body))
         request.extensions = {**request.extensions, "timeout": timeout}
-        response = self.inner.handle_request(request)
+        try:
+            response = self.inner.handle_request(request)
+        except httpx2.ReadTimeout:
+            if not body:
+                raise
+            raise NoAnswer(
+                f"{request.url.copy_with(query=None)}: {body} bytes sent, no answer in "
+                f"{timeout['read']:.0f} s (below the minimum rate, {SPEED_ENV})"
+            ) from None
         ANSWERED.add(request.url.host)
         url = str(request.url.copy_with(query=None))
         api = "/api/" in request.url.path
@@ -111,6 +127,16 @@ class BoundedTransport(httpx2.BaseTransport):
 
     def close(self) -> None:
         self.inner.close()
+
+
+def _upload_bytes(request: httpx2.Request) -> int:
+    """The body's size of an upload (a PUT, or a POST of file bytes, not an API call), else 0."""
+    if request.method not in ("PUT", "POST") or "/api/" in request.url.path:
+        return 0
+    try:
+        return max(0, int(request.headers.get("Content-Length", "0")))
+    except ValueError:
+        return 0
 
 
 def _length(response: httpx2.Response) -> int | None:

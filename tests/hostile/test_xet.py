@@ -1,0 +1,224 @@
+"""Uploads through Xet held to k3lab's guarantees, against the loopback CAS (``xet_cas``): hf_xet's own
+client, driven by ``hub.xet.send``, counted to the byte, cut at the minimum rate, inside the retry
+budget, stopped by SIGTERM and Ctrl-C with nothing committed, its errors one line; republishing after
+one tensor changed sends about that tensor's chunks. And the LFS path's answer wait: a small body the
+socket takes whole, read too slowly by the server, still fails in bounded time."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hub_server import HubServer
+from xet_cas import chunk_spans
+
+from k3lab.errors import K3LabError
+from k3lab.pipeline.hub.retry import HubUnreachable
+from k3lab.pipeline.progress import TaskReport
+from k3lab.pipeline.publishing.upload import PushTarget, upload
+
+pytest.importorskip("hf_xet")
+TARGET, TOKEN = "k3lab-test/xet-target", "hf_xet_secret_0123456789"
+
+
+def _repo(hub: HubServer) -> None:
+    from huggingface_hub import HfApi
+
+    HfApi(endpoint=hub.url, token=TOKEN).create_repo(TARGET, exist_ok=True)
+
+
+def _file(tmp: Path, n: int = 3_000_000, seed: int = 0) -> Path:
+    path = tmp / f"f{seed}.gguf"
+    path.write_bytes(np.random.default_rng(seed).bytes(n))
+    return path
+
+
+def _send(hub: HubServer, path: Path, budget: float = 30.0) -> tuple[object, list[int]]:
+    counted: list[int] = []
+    report = TaskReport(emit=lambda m: counted.append(m[2]) if m[0] == "up" else None)
+    target = PushTarget(TARGET, endpoint=hub.url, token=TOKEN, retry_budget=budget)
+    return upload(target, path, report, hashlib.sha256(path.read_bytes()).hexdigest()), counted
+
+
+@pytest.fixture
+def xet_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("HF_XET_CACHE", str(tmp_path / "xet-cache"))  # (its shard cache: this test's own)
+    monkeypatch.delenv("HF_HUB_DISABLE_XET", raising=False)
+    return tmp_path
+
+
+def test_a_xet_upload_is_counted_to_the_byte_and_committed_by_its_sha256(
+    xet_env: Path, tiny_src: Path
+) -> None:
+    path = _file(xet_env)
+    with HubServer(tiny_src, token=TOKEN) as hub:
+        _repo(hub)
+        op, counted = _send(hub, path)
+        sent = hub.cas.received
+        # k3lab counted what hf_xet sent: every chunk's bytes (their 8-byte headers are the CAS's
+        # framing, not counted by hf_xet) and the shard
+        assert sum(counted) == sent["xorbs"] - sent["chunk_headers"] + sent["shards"], (counted, sent)
+        assert sent["xorbs"] >= path.stat().st_size  # (random bytes: nothing to deduplicate or compress)
+        assert op.upload_info.sha256.hex() == hashlib.sha256(path.read_bytes()).hexdigest()
+        assert hub.blobs[op.upload_info.sha256.hex()] == path.read_bytes()
+        assert not any("/lfs-upload/" in p for _, p, _ in hub.requests)  # (the LFS path not taken)
+
+
+def test_a_trickling_cas_fails_within_one_window(xet_env: Path, tiny_src: Path, monkeypatch) -> None:
+    monkeypatch.setenv("K3LAB_SPEED_LIMIT", "100000/2")
+    with HubServer(tiny_src, token=TOKEN) as hub:
+        _repo(hub)
+        hub.cas.trickle = True
+        t0 = time.monotonic()
+        with pytest.raises(HubUnreachable) as e:
+            _send(hub, _file(xet_env), budget=0)
+        took = time.monotonic() - t0
+    assert "below the minimum rate" in str(e.value) and "\n" not in str(e.value), e.value
+    assert took < 2 + 3, took  # one window, and the time to start and abort the transfer
+
+
+def test_a_dead_cas_fails_within_the_retry_budget(xet_env: Path, tiny_src: Path, monkeypatch) -> None:
+    monkeypatch.setenv("K3LAB_SPEED_LIMIT", "100000/5")
+    with HubServer(tiny_src, token=TOKEN) as hub:
+        _repo(hub)
+        hub.cas.dead = True
+        t0 = time.monotonic()
+        with pytest.raises(HubUnreachable) as e:
+            _send(hub, _file(xet_env), budget=4)
+        took = time.monotonic() - t0
+    assert "retry budget 4 s" in str(e.value) and "\n" not in str(e.value), e.value
+    assert took < 4 + 5 + 5, took  # the budget, then one attempt's own retries and a window at most
+
+
+def test_a_cas_outage_shorter_than_the_budget_is_ridden_out(xet_env: Path, tiny_src: Path) -> None:
+    path = _file(xet_env)
+    with HubServer(tiny_src, token=TOKEN) as hub:
+        _repo(hub)
+        hub.outage(3)
+        op, _ = _send(hub, path, budget=60)
+        assert hub.blobs[op.upload_info.sha256.hex()] == path.read_bytes()
+        assert hub.dropped > 0  # (the outage was met)
+
+
+@pytest.mark.parametrize("answer", ["garbage", "huge"])
+def test_a_malformed_or_endless_cas_answer_is_one_line(
+    xet_env: Path, tiny_src: Path, monkeypatch, answer
+) -> None:
+    monkeypatch.setenv("K3LAB_SPEED_LIMIT", "100000/2")
+    with HubServer(tiny_src, token=TOKEN) as hub:
+        _repo(hub)
+        setattr(hub.cas, answer, True)
+        t0 = time.monotonic()
+        with pytest.raises(K3LabError) as e:
+            _send(hub, _file(xet_env, 300_000), budget=3)
+        took = time.monotonic() - t0
+    text = str(e.value)
+    assert "\n" not in text and len(text) < 700 and TARGET in text, text
+    assert took < 3 + 2 + 5, took
+
+
+def test_republishing_after_one_tensor_changed_sends_about_its_chunks(
+    xet_env: Path, tiny_src: Path, tiny_out: Path
+) -> None:
+    """A GGUF of the tiny set published, then the same file with one tensor's bytes changed: the CAS
+    receives the chunks holding that tensor (hf_xet's content-defined chunks, deduplicated against
+    this machine's shard cache), at most 1.2x their bytes, plus the shard's metadata."""
+    from gguf import GGUFReader
+
+    name = max((p for p in tiny_out.glob("Kimi-K3-*.gguf")), key=lambda p: p.stat().st_size)
+    first = xet_env / name.name
+    first.write_bytes(name.read_bytes())
+    tensor = min(GGUFReader(first).tensors, key=lambda t: abs(int(t.n_bytes) - 100_000))  # (a few chunks)
+    start, n = int(tensor.data_offset), int(tensor.n_bytes)
+    with HubServer(tiny_src, token=TOKEN) as hub:
+        _repo(hub)
+        _send(hub, first)
+        before = dict(hub.cas.received)
+        data = bytearray(first.read_bytes())
+        data[start : start + n] = np.random.default_rng(7).bytes(n)
+        second = xet_env / "second" / name.name
+        second.parent.mkdir()
+        second.write_bytes(bytes(data))
+        op, _ = _send(hub, second)
+        sent = {k: hub.cas.received[k] - before[k] for k in before}
+        terms = hub.cas.files[hub.cas.by_sha[op.upload_info.sha256.hex()]]["terms"]
+        lengths = [s[3] for x, a, b, _ in terms for s in chunk_spans(hub.cas.xorbs[x])[a:b]]
+    ends = np.cumsum(lengths)
+    starts = ends - np.asarray(lengths)
+    changed = int(sum(e - s for s, e in zip(starts, ends) if s < start + n and e > start))
+    chunk_bytes = sent["xorbs"] - sent["chunk_headers"]
+    print(
+        f"\nrepublish of {name.name} ({len(data)} bytes) after one tensor ({n} bytes) changed: "
+        f"{chunk_bytes} chunk bytes sent for {changed} bytes of changed chunks "
+        f"({chunk_bytes / changed:.2f}x), shard {sent['shards']} bytes"
+    )
+    assert 0 < chunk_bytes <= 1.2 * changed, (chunk_bytes, changed)
+    assert chunk_bytes < len(data) / 2
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_ctrl_c_stop_a_xet_upload_within_2_s_and_commit_nothing(
+    tiny_out: Path, tiny_src: Path, tmp_path: Path, how: signal.Signals
+) -> None:
+    """`k3lab publish` of the tiny set to a CAS whose uplink carries 20 kB/s: stopped once its uploads
+    are under way, it ends within 2 s, and the repo gets no commit of any GGUF."""
+    out = tmp_path / "set"
+    shutil.copytree(tiny_out, out)
+    with HubServer(tiny_src, token=TOKEN) as hub:
+        hub.uplink = 20_000
+        env = hub.client_env(tmp_path, TOKEN)
+        run = subprocess.Popen(
+            [sys.executable, "-m", "k3lab.cli", "publish", str(out), TARGET],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        until = time.monotonic() + 60
+        while time.monotonic() < until and not any(p.startswith("/cas/v1/") for _, p in hub.cas.requests):
+            if run.poll() is not None:
+                break
+            time.sleep(0.05)
+        time.sleep(0.5)  # (a xorb on its way)
+        assert run.poll() is None, run.communicate()
+        t0 = time.monotonic()
+        run.send_signal(how)
+        run.communicate(timeout=30)
+        took = time.monotonic() - t0
+        commits = [paths for repo, _, paths in hub.commit_log if repo == TARGET]
+        time.sleep(1.0)
+        late = [p for _, p in hub.cas.requests if p.startswith("/cas/v1/shards")]
+    assert run.returncode != 0
+    assert took < 2.0, took
+    assert not any(p.endswith(".gguf") for paths in commits for p in paths), commits
+    assert not late, late  # (no file's upload finished after the stop)
+
+
+def test_a_small_lfs_upload_read_too_slowly_fails_in_bounded_time(
+    tiny_src: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """The LFS path: a body far smaller than the socket's buffers (the kernel takes it whole at once),
+    a server that reads it at 2 kB/s: the answer's wait is bounded by a window plus the time the body
+    needs at the minimum rate, and huggingface_hub does not retry it outside the budget."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("K3LAB_SPEED_LIMIT", "16384/2")
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)  # (HF_HUB_DISABLE_XET=1, read at import)
+    with HubServer(tiny_src, token=TOKEN, xet=False) as hub:
+        _repo(hub)
+        hub.uplink = 2_000
+        path = _file(tmp_path, 40_000)
+        t0 = time.monotonic()
+        with pytest.raises(HubUnreachable) as e:
+            _send(hub, path, budget=2)
+        took = time.monotonic() - t0
+    assert "no answer" in str(e.value) or "below the minimum rate" in str(e.value), e.value
+    # two attempts at most (each: a window, plus 40 kB at 16 kB/s), never huggingface_hub's six
+    assert took < 2 * (2 + 40_000 / 16384) + 2 + 3, took
