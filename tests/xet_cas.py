@@ -13,7 +13,7 @@ it falls back to the V1 routes served here:
 - ``GET /v1/reconstructions/{file}``: terms and fetch ranges into ``/cas/xorb/{hash}``, served by range.
 
 Faults, for the tests: ``trickle`` (a request body taken at 2 kB/s), ``dead`` (every upload route
-answers 500), ``garbage`` (a xorb's answer is not JSON), ``huge`` (a xorb's answer never ends); the
+answers 500), ``refuse`` (a xorb's upload answers 403), ``garbage`` (a xorb's answer is not JSON), ``huge`` (a xorb's answer never ends); the
 Hub's own ``uplink_dead``, ``upload_faults`` (every third upload 500) and ``uplink`` (a paced body)
 hold here too.
 """
@@ -158,7 +158,7 @@ class XetCas:
         self.files: dict[str, dict[str, Any]] = {}  # by Xet hash
         self.by_sha: dict[str, str] = {}  # SHA-256 -> Xet hash
         self.received = {"xorbs": 0, "shards": 0, "chunk_headers": 0}
-        self.trickle = self.dead = self.garbage = self.huge = False
+        self.trickle = self.dead = self.garbage = self.huge = self.refuse = False
         self.posts = 0
         self.requests: list[tuple[str, str]] = []
         self.lock = threading.Lock()
@@ -211,6 +211,8 @@ class XetCas:
             if fail:
                 return self.hub._error(h, 500, "", "Internal Server Error")
         if m := re.fullmatch(r"/v1/xorbs/default/([0-9a-f]{64})", route):
+            if self.refuse:
+                return self.hub._error(h, 403, "", "this token may not write to the repo's storage")
             return self._xorb(h, m[1], body)
         if route == "/v1/shards" and method == "POST":
             return self._shard(h, body)

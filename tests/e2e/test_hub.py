@@ -71,6 +71,8 @@ class ShardCounter(threading.Thread):
 
 
 def test_streaming_with_faults_gives_the_local_bytes(tiny_src: Path, tiny_out: Path, tmp_path: Path) -> None:
+    """`convert --repo` from a Hub whose shards are Xet-backed (a redirect to a bridge), with cut
+    transfers and 503s: the local conversion's bytes."""
     counter = ShardCounter(tmp_path / "scratch")
     counter.start()
     with HubServer(tiny_src, faults=True) as hub:
@@ -95,6 +97,19 @@ def test_streaming_with_faults_gives_the_local_bytes(tiny_src: Path, tiny_out: P
         and not r[2].startswith("bytes=0-")
     ]
     assert resumed
+
+    # the shards are Xet-backed, as on today's Hub: every byte came through the bridge the Hub's
+    # redirect names (a ranged read of the header, then the download, resumed by range)
+    def files(bridge: bool) -> set[str]:
+        return {
+            r[1].split("?")[0].rsplit("/", 1)[-1]
+            for r in hub.requests
+            if "/resolve/" in r[1]
+            and r[1].endswith(".safetensors")
+            and r[1].startswith("/cas-bridge/") == bridge
+        }
+
+    assert len(files(False)) >= 9 and files(False) <= files(True), (files(False), files(True))
     assert (tmp_path / "meta" / "config.json").exists() and (tmp_path / "meta" / "tiktoken.model").exists()
 
 

@@ -21,6 +21,7 @@ from xet_cas import chunk_spans
 
 from k3lab.errors import K3LabError
 from k3lab.pipeline.hub.retry import HubUnreachable
+from k3lab.pipeline.hub.xet import XetRefused
 from k3lab.pipeline.progress import TaskReport
 from k3lab.pipeline.publishing.upload import PushTarget, upload
 
@@ -105,6 +106,48 @@ def test_a_cas_outage_shorter_than_the_budget_is_ridden_out(xet_env: Path, tiny_
         op, _ = _send(hub, path, budget=60)
         assert hub.blobs[op.upload_info.sha256.hex()] == path.read_bytes()
         assert hub.dropped > 0  # (the outage was met)
+
+
+def test_a_cas_that_refuses_is_one_line_at_once(xet_env: Path, tiny_src: Path) -> None:
+    with HubServer(tiny_src, token=TOKEN) as hub:
+        _repo(hub)
+        hub.cas.refuse = True
+        t0 = time.monotonic()
+        with pytest.raises(XetRefused) as e:
+            _send(hub, _file(xet_env, 300_000), budget=60)
+        took = time.monotonic() - t0
+    assert "refused" in str(e.value) and "\n" not in str(e.value), e.value
+    assert took < 30, took  # (not the budget: a refusal is not retried by k3lab)
+
+
+def test_hf_xets_errors_are_classified_by_kind() -> None:
+    """Each kind hf_xet raises: its authentication and not-found errors and a status it names are
+    refusals; a network error, a timeout or anything else is ridden out."""
+    import hf_xet
+
+    from k3lab.pipeline.hub.retry import is_transient
+    from k3lab.pipeline.hub.xet import classify
+
+    refusals = [
+        hf_xet.XetAuthenticationError("token expired"),
+        hf_xet.XetObjectNotFoundError("xorb"),
+        RuntimeError("HTTP status client error (403 Forbidden) for url (http://cas/v1/xorbs/default/ab)"),
+        RuntimeError("Data processing error: status client error (401 Unauthorized)"),
+    ]
+    transient = [
+        RuntimeError("File reconstruction error: Internal Error: connection reset"),
+        ConnectionError("error sending request for url"),
+        OSError("timed out"),
+        RuntimeError(
+            "HTTP status server error (500 Internal Server Error) for url (http://cas/v1/xorbs/default/a4040b)"
+        ),
+    ]
+    for e in refusals:
+        out = classify(e, "repo: f.gguf")
+        assert isinstance(out, XetRefused) and "\n" not in str(out), (e, out)
+    for e in transient:
+        out = classify(e, "repo: f.gguf")
+        assert not isinstance(out, XetRefused) and is_transient(out), (e, out)
 
 
 @pytest.mark.parametrize("answer", ["garbage", "huge"])
