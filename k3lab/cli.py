@@ -82,7 +82,9 @@ def _verify(req: Request, args: argparse.Namespace) -> int:
 
 def _check_logits(req: Request, args: argparse.Namespace) -> int:
     tokens = values.token_ids(args.tokens, "--tokens") if args.tokens else None
-    report, stages = request.check_logits(req, args.gguf, args.prompt, tokens, args.threshold, args.mode)
+    report, stages = request.check_logits(
+        req, args.gguf, args.prompt, tokens, args.threshold, args.mode, args.judge
+    )
     if args.blocks:
         print(report.table())
     print(f"whole model, for information: {report.summary()}")
@@ -313,6 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--threshold", type=POSITIVE, default=1e-4, help="whole-model NMSE shown as good")
     cl.add_argument("--mode", choices=["ggml", "f32"], default="ggml", help="ggml: round as llama.cpp does")
     cl.add_argument("--blocks", action="store_true", help="print every position and every stage")
+    cl.add_argument(
+        "--judge",
+        choices=["moonshot"],
+        help="also judge the reference by Moonshot's own forward (pip install 'k3lab[judge]')",
+    )
 
     cv = command(
         "check-vision", _check_vision, "the mmproj, read as a runtime reads it, vs the source's tower"

@@ -339,12 +339,11 @@ def opened_source(req: Request) -> Iterator[Any]:
             source.close()
 
 
-def check_logits(
-    req: Request, gguf: str, prompt: str | None, tokens: list[int] | None, threshold: float, mode: str
-) -> tuple[Any, Any]:
+def check_logits(req: Request, gguf: str, *how: Any) -> tuple[Any, Any]:
     """The reference forward on the source against llama.cpp on ``gguf``: the whole model (for
-    information) and every stage of llama.cpp's graph (the verdict)."""
-    return _check(req, "check_logits", gguf, prompt, tokens, threshold, mode)
+    information) and every stage of llama.cpp's graph (the verdict). ``how``: prompt, tokens,
+    threshold, mode, and the judge (``"moonshot"``: the reference judged by Moonshot's own forward)."""
+    return _check(req, "check_logits", gguf, *how)
 
 
 def check_vision(

@@ -13,7 +13,6 @@ this is copied into k3lab.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import os
@@ -72,31 +71,16 @@ def _stand_ins(root: Path, packages: tuple[str, ...]) -> None:
 
 
 def modeling() -> types.SimpleNamespace:
-    """Moonshot's modules (``config``, ``text``, ``model``, ``vision_processing``), importable here."""
-    torch = pytest.importorskip("torch")
+    """Moonshot's modules (``config``, ``text``, ``model``, ``vision_processing``), as k3lab's Moonshot
+    judge loads them (``k3lab.kimi_k3.moonshot_forward.modules``: fla's modules and calls served by
+    fla-core's references where it is installed), from the wheel's files unpacked here."""
+    pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    _stand_ins(_unpacked(), ("llmcompressor", "llmcompressor.modeling", "llmcompressor.modeling.moe"))
-    with contextlib.redirect_stderr(open(os.devnull, "w")):  # (its "install fla" warning)
-        text = importlib.import_module(f"{PACKAGE}.modeling_kimi_linear")
-        model = importlib.import_module(f"{PACKAGE}.modeling_kimi_k3")
-    config = importlib.import_module(f"{PACKAGE}.configuration_kimi_k3")
+    pytest.importorskip("einops")
+    _unpacked()
+    from k3lab.kimi_k3 import moonshot_forward
 
-    class ShortConvolution(torch.nn.Module):  # fla's: a depthwise conv1d's weight, no bias
-        def __init__(self, hidden_size: int, kernel_size: int, **_: Any):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.empty(hidden_size, 1, kernel_size))
-
-    class FusedRMSNormGated(torch.nn.Module):  # fla's: a gated RMSNorm's weight
-        def __init__(self, hidden_size: int, **_: Any):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.ones(hidden_size))
-
-    text.ShortConvolution, text.FusedRMSNormGated = ShortConvolution, FusedRMSNormGated
-    # its position-table resize is wrapped in torch.compile; the judge runs it eagerly (the same
-    # F.interpolate, without a compiler toolchain or minutes of tracing)
-    torch._dynamo.config.disable = True
-    processing = importlib.import_module(f"{PACKAGE}.kimi_k3_vision_processing")
-    return types.SimpleNamespace(config=config, text=text, model=model, vision_processing=processing)
+    return moonshot_forward.modules()
 
 
 def build(raw: dict[str, Any], seed: int = 0, dtype: str = "bfloat16") -> Any:

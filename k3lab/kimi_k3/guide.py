@@ -7,6 +7,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from k3lab.errors import K3LabError
 from k3lab.kimi_k3 import chat, rules
 from k3lab.kimi_k3.tokenizer import chat_template_choice
 from k3lab.pipeline.model import Guide
@@ -36,12 +37,24 @@ def _demo(folder: Path, seed: int) -> Any:
 
 
 def _check_logits(
-    source: Any, gguf: str, prompt: str | None, tokens: list[int] | None, threshold: float, mode: str
+    source: Any,
+    gguf: str,
+    prompt: str | None,
+    tokens: list[int] | None,
+    threshold: float,
+    mode: str,
+    judge: str | None = None,
 ) -> tuple[Any, Any]:
-    from k3lab.kimi_k3.logits import check_logits, check_stages
+    from k3lab.kimi_k3 import moonshot_forward
+    from k3lab.kimi_k3.logits import check_logits, check_stages, judge_moonshot
 
+    if judge == "moonshot" and (why := moonshot_forward.missing()) is not None:
+        raise K3LabError(f"check-logits --judge moonshot: {why}")  # (said before llama.cpp runs)
     report = check_logits(source, gguf, prompt, tokens, threshold, mode)
-    return report, check_stages(source, gguf, report.tokens, mode)
+    stages = check_stages(source, gguf, report.tokens, mode)
+    if judge == "moonshot":
+        stages.moonshot = judge_moonshot(source, report.tokens)
+    return report, stages
 
 
 def _check_vision(source: Any, mmproj: str, image: str | None, threshold: float) -> Any:

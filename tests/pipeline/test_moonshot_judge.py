@@ -6,6 +6,7 @@ broken in a copy of the reference is named at the first layer it reaches."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -184,3 +185,49 @@ _long_traces: dict[str, dict[str, np.ndarray]] = {}
 
 def judged_long_trace(src: Path) -> dict[str, np.ndarray]:
     return _long_traces[src.name]
+
+
+def test_the_judge_loads_the_checkpoint_as_moonshots_model_holds_it(judged) -> None:
+    """``moonshot_forward.text_model`` builds Moonshot's model from the checkpoint on disk (MXFP4
+    experts dequantised by compressed-tensors): the same logits as the model the checkpoint was saved
+    from, to the bit."""
+    from k3lab.kimi_k3 import moonshot_forward
+
+    src, logits, _, _ = judged
+    loaded, _ = moonshot_forward.forward(moonshot_forward.text_model(LocalSource(src)), TOKENS)
+    np.testing.assert_array_equal(loaded, logits)
+
+
+@needs_llama
+def test_check_logits_judge_moonshot_adds_moonshots_column(judged, tmp_path: Path, capsys) -> None:
+    from k3lab.cli import main
+
+    src, _, _, _ = judged
+    out = tmp_path / "out"
+    assert main(["convert", "--meta", str(src), "--out-dir", str(out), "--quiet"]) == 0
+    (first,) = sorted(out.glob("*.gguf"))
+    capsys.readouterr()
+    code = main(["check-logits", "--meta", str(src), "--gguf", str(first), "--judge", "moonshot", "--blocks"])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    header = next(line for line in text.splitlines() if line.startswith("stage (llama.cpp tensor)"))
+    assert header.split()[-2:] == ["Moonshot", "checks"], header
+    row = next(line for line in text.splitlines() if line.startswith("ffn_out-1 "))
+    assert float(row.split()[2]) < 1e-6, row  # (the reference against Moonshot, at that stage)
+    summary = next(line for line in text.splitlines() if line.startswith("Moonshot's own forward"))
+    worst = float(re.search(r"worst ([0-9.e+-]+)", summary)[1])
+    assert worst < 1e-6, summary
+    assert "check-logits OK" in text
+
+
+def test_check_logits_judge_moonshot_without_its_packages_is_one_line(judged, monkeypatch, capsys) -> None:
+    from k3lab.cli import main
+    from k3lab.kimi_k3 import moonshot_forward
+
+    src, _, _, _ = judged
+    monkeypatch.setattr(
+        moonshot_forward, "missing", lambda: "the Moonshot judge needs fla-core: pip install 'k3lab[judge]'"
+    )
+    code = main(["check-logits", "--meta", str(src), "--gguf", str(src / "none.gguf"), "--judge", "moonshot"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "k3lab[judge]" in err[0], err

@@ -15,8 +15,8 @@ transfer to the same guarantees from the outside:
   one attempt stays well inside k3lab's budget; ``retry.with_retries`` spends the budget on the
   attempts, as for LFS.
 - **Stopped.** The upload runs in hf_xet's threads while this one polls: Ctrl-C, SIGTERM (``Stopped``)
-  or the run's cancel (``TaskReport.check``) aborts the commit (``XetUploadCommit.abort``, then the
-  whole session if the abort does not end it within ``ABORT_WAIT``), so nothing is sent after.
+  or the run's cancel (``TaskReport.check``) aborts the commit (``XetUploadCommit.abort``) and shuts
+  the session down (``sigint_abort``: each upload has its own), so nothing is sent after.
 - **Errors classified.** hf_xet raises ``RuntimeError``/``ConnectionError``/``OSError`` kinds; a
   refusal (its authentication error, a 401/403/404 it names) is one line, the rest transient.
 
@@ -40,7 +40,7 @@ from k3lab.pipeline.hub.clock import CLOCK
 from k3lab.pipeline.progress import NO_REPORT, TaskReport
 
 POLL = 0.1  # seconds between two looks at the transfer's progress (and at a stop)
-ABORT_WAIT = 2.0  # seconds an aborted commit may take to end before its whole session is shut down
+ABORT_WAIT = 1.0  # seconds the waiting thread may take to see its aborted commit end
 NEEDED = {"XetSession": ("new_upload_commit",), "XetUploadCommit": ("progress", "abort", "wait_to_finish")}
 
 
@@ -178,19 +178,14 @@ def send(
 
 
 def _abort(commit: Any, session: Any, waiter: threading.Thread) -> None:
-    """End the transfer now: the commit aborted, and the whole session if that does not end it."""
-    try:
-        commit.abort()
-    except Exception:  # noqa: BLE001 (already failed or finished: nothing left to stop)
-        pass
-    if waiter.is_alive():
-        waiter.join(ABORT_WAIT)
-    if waiter.is_alive():
+    """End the transfer now: the commit aborted, then the whole session shut down (it is this upload's
+    alone), so that no request of it is left running, nor waited for when the process exits."""
+    for stop in (commit.abort, session.sigint_abort):
         try:
-            session.sigint_abort()
-        except Exception:  # noqa: BLE001
+            stop()
+        except Exception:  # noqa: BLE001 (already failed or finished: nothing left to stop)
             pass
-        waiter.join(ABORT_WAIT)
+    waiter.join(ABORT_WAIT)
 
 
 # a refusal as hf_xet words it: an HTTP status it names (not digits inside a hash), or the status's name
