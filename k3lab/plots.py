@@ -198,3 +198,19 @@ def stage_agreement(stages: list[dict[str, Any]], threshold: float) -> Figure:
     ax.tick_params(axis="x", rotation=45, labelsize="small")
     ax.legend(fontsize="small")
     return fig
+
+
+def layer_agreement(rows: list[dict[str, Any]]) -> Figure:
+    """Per layer stage, the reference and llama.cpp against Moonshot's own forward (NMSE, log scale)."""
+    fig = Figure(figsize=(7, 3.2), layout="constrained")
+    ax = fig.subplots()
+    names = [r["stage"] for r in rows]
+    for key, style in (("reference vs Moonshot", "o-"), ("llama.cpp vs Moonshot", "s--")):
+        ys = [max(r[key], 1e-16) if r[key] is not None else np.nan for r in rows]
+        ax.plot(range(len(rows)), ys, style, label=key)
+    ax.set_xticks(range(len(rows)), names, rotation=45, fontsize="small")
+    ax.set_yscale("log")
+    ax.set_ylabel("NMSE against Moonshot")
+    ax.set_title("the text model three ways, layer by layer")
+    ax.legend(fontsize="small")
+    return fig

@@ -4,7 +4,7 @@ Every function reads a checkpoint (or a converted set) and returns rows, arrays 
 live in ``plots.py`` and the story in ``notebooks/``. One module per job: ``paths`` (where a
 notebook's paths start, where it writes its result), ``opening`` (a checkpoint and its plan, through
 the same request as the CLI), ``layouts`` (01), ``scales`` (02, 03), ``vision`` and ``chat`` (04), ``sets``
-(05), ``tables`` (HTML tables), ``live`` (controls and the view they drive), ``parameters`` (a
+(05), ``forwards`` (05: Moonshot's forward, the reference and llama.cpp, layer by layer), ``tables`` (HTML tables), ``live`` (controls and the view they drive), ``parameters`` (a
 notebook's parameters checked as the CLI checks flags). A notebook imports ``k3lab.explore`` and finds them all here.
 """
 
@@ -35,6 +35,7 @@ from k3lab.explore.paths import HOME_ENV, home, resolve, save_result
 from k3lab.explore.sets import manifest_summary, repo_summary, verify
 from k3lab.explore.tables import html_table
 from k3lab.kimi_k3.explore.chat import chat_differences, chat_three_ways, marked_html, tokens_html
+from k3lab.kimi_k3.explore.forwards import Forwards, three_forwards
 from k3lab.kimi_k3.explore.scales import (
     PROJ_NAMES,
     ScaleStats,
@@ -47,6 +48,8 @@ from k3lab.kimi_k3.explore.scales import (
 from k3lab.kimi_k3.explore.vision import image_way_in, tokenize_with_merges, vision_blocks, weight_stats
 
 __all__ = [
+    "Forwards",
+    "three_forwards",
     "chat_differences",
     "chat_three_ways",
     "marked_html",
