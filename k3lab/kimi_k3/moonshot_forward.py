@@ -260,7 +260,9 @@ def _weight(source: Any, name: str, scheme: Any) -> np.ndarray:
         return MXFP4PackedCompressor.decompress(parts, scheme)["weight"].float().numpy()
     e = source.entry(full)
     a = source.array(full)
-    return bf16_bits_to_f32(a) if e.dtype == "BF16" else np.array(a, dtype=np.float32)  # (a copy: torch writes)
+    return (
+        bf16_bits_to_f32(a) if e.dtype == "BF16" else np.array(a, dtype=np.float32)
+    )  # (a copy: torch writes)
 
 
 def forward(lm: Any, tokens: list[int]) -> tuple[np.ndarray, dict[str, np.ndarray]]:

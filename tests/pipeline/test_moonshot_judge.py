@@ -231,3 +231,18 @@ def test_check_logits_judge_moonshot_without_its_packages_is_one_line(judged, mo
     code = main(["check-logits", "--meta", str(src), "--gguf", str(src / "none.gguf"), "--judge", "moonshot"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "k3lab[judge]" in err[0], err
+
+
+def test_synths_checkpoint_is_read_as_moonshot_reads_it(tiny_src: Path) -> None:
+    """synth's own `tiny` (its trained-like draw, its MXFP4 experts) loaded into Moonshot's model by
+    the judge: the reference agrees at every layer too."""
+    pytest.importorskip("moonshot").modeling()  # (Moonshot's files unpacked where the judge finds them)
+    from k3lab.kimi_k3 import moonshot_forward
+
+    if (why := moonshot_forward.missing()) is not None:
+        pytest.skip(why)
+    logits, trace = moonshot_forward.forward(moonshot_forward.text_model(LocalSource(tiny_src)), TOKENS)
+    first, figures = _first_apart(tiny_src, trace)
+    assert first is None, (first, figures)
+    mine = Reference(K3Config.load(tiny_src), LocalSource(tiny_src), mode="f32").logits(TOKENS)
+    assert _nmse(logits, mine) < NMSE
