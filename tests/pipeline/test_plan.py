@@ -241,3 +241,26 @@ def test_plan_forecasts_memory_per_file(tiny_src: Path, tmp_path: Path) -> None:
     assert moe and all(f.memory >= forecast.BASE_RSS + STREAMS["mxfp4"].fixed for f in moe)
     dense = plan.file(len(plan.files))  # embeddings and lm_head: copies only
     assert dense.memory < moe[0].memory
+
+
+@pytest.mark.parametrize("make", ["real_config", "tiny_config", "tiny_f32_config", "testmodel_config"])
+def test_a_units_layout_made_lazily_is_the_layout_made_whole(make: str) -> None:
+    """``unit_layout`` makes a MoE layer's expert specs when asked: every layer's mapping holds the
+    same names in the same order, each the same spec, as the one made whole; nothing else is in it."""
+    from k3lab.kimi_k3 import layout
+    from k3lab.kimi_k3.config import K3Config
+    from k3lab.kimi_k3.synth import presets
+
+    cfg = K3Config.from_dict(getattr(presets, make)())
+    f, declared = layout.source_dtype(cfg), layout.declared_dtype(cfg)
+    for bid in sorted({0, cfg.n_dense_lead, cfg.n_layer - 1}):
+        whole = layout._accepting(
+            layout._text_layer(cfg, bid, f, "both" if cfg.is_mxfp4 else "plain"), declared
+        )
+        lazy = layout.unit_layout(cfg, bid)
+        assert list(lazy) == list(whole) and len(lazy) == len(whole)
+        assert all(lazy.get(n) == s and lazy[n] == s for n, s in whole.items())
+        p = f"language_model.model.layers.{bid}.block_sparse_moe.experts."
+        strangers = (f"{p}{cfg.n_expert}.w1.weight", f"{p}01.w1.weight", f"{p}0.w4.weight", f"{p}0.w1.bias")
+        for stranger in (*strangers, f"{p}\u00b2.w1.weight", f"{p}0.w1", f"{p}-1.w1.weight"):
+            assert lazy.get(stranger) is None and stranger not in lazy

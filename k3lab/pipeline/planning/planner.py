@@ -160,11 +160,26 @@ def build_plan(
     progress: Callable[[int, int], None] | None = None,
     split: Split | None = None,
 ) -> Plan:
+    """``plan_and_kvs``' plan."""
+    return plan_and_kvs(model, cfg, source, outtype, basename, chat_template, progress, split)[0]
+
+
+def plan_and_kvs(
+    model: Model,
+    cfg: Any,
+    source: Any,
+    outtype: str = "auto",
+    basename: str | None = None,
+    chat_template: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    split: Split | None = None,
+) -> tuple[Plan, list[KV]]:
     """Plan the conversion of the text model from config, index and every source file's header
     (each in memory only while the units it holds are planned), checking every source tensor is used
     by a rule and every rule finds its sources, with the dtype and shape the config implies. The
     output files are whole units, cut by ``split``, whatever the source's files are.
-    ``progress(done, total)`` hears of each unit planned (a Hub source reads headers for it)."""
+    ``progress(done, total)`` hears of each unit planned (a Hub source reads headers for it). With
+    file 1's KVs, made once (its vocabulary is the costly part)."""
     if outtype not in OUTTYPES:
         raise PlanError(f"--outtype {outtype!r}: choose from {', '.join(OUTTYPES)}")
     split = split or Split()
@@ -236,7 +251,7 @@ def build_plan(
     files[0].memory += vocab_memory(kvs)
     for f in files:
         f.digest = file_digest(plan, f)
-    return plan
+    return plan, kvs
 
 
 def _check_outtype(outtype: str, tensors: list[PlannedTensor], source: Any) -> None:
@@ -294,11 +309,11 @@ def make_plan(
         name: file_identity(Path(source.meta_dir) / name) for name in model.meta_files + model.optional_meta
     }
     cfg = model.load_config(source.meta_dir)
-    plan = build_plan(model, cfg, source, outtype, basename, chat_template, progress, split)
+    plan, kvs = plan_and_kvs(model, cfg, source, outtype, basename, chat_template, progress, split)
     plan.inputs = inputs_fingerprint(model, source, [s.file for s in plan.source_files], options)
     plan.inputs_digest = inputs_digest(plan.inputs)
     plan.proven = proven_inputs(model, source, plan, before)
-    return plan, plan_kvs(plan, source.meta_dir, chat_template)
+    return plan, kvs
 
 
 def plan_options(
