@@ -138,7 +138,11 @@ SOURCE_FLAGS = {
     ),
 }
 RUN_FLAGS = {
-    "--outtype": dict(choices=["auto", "bf16", "f16", "f32"], default="auto", help="auto: MXFP4, BF16 kept"),
+    "--outtype": dict(
+        choices=["auto", "bf16", "f16", "f32"],
+        default="auto",
+        help="auto: the checkpoint's own types (MXFP4 stays, BF16/F32 kept); or every float as this type",
+    ),
     "--chat-template": dict(metavar="FILE", help="a Jinja chat template to embed in file 1"),
     "--name": dict(help="output basename (default: the model's, Kimi-K3)"),
     "--split-max-size": dict(
@@ -222,8 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--draw",
         choices=["trained", "normal", "fan-in", "near-ties"],
         default="trained",
-        help="how values are drawn: like a trained model's (default), N(0, 1), N(0, 1/fan-in), or "
-        "router scores in near ties",
+        help="how values are drawn: like a trained model's (default), every matrix N(0, 0.02), "
+        "N(0, 1/sqrt(fan-in)), or N(0, 0.02) with routers in near ties",
     )
     s.add_argument(
         "--layout",
@@ -309,17 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     cl = command("check-logits", _check_logits, "NumPy reference on the source vs llama.cpp on the GGUF")
     _flags(cl, SOURCE_FLAGS, meta=True)
-    cl.add_argument("--gguf", required=True, help="the first file of the converted split set")
+    cl.add_argument("--gguf", required=True, help="the converted set's (first) GGUF file")
     cl.add_argument("--prompt", help="text to tokenize (default: a built-in mixed prompt)")
     cl.add_argument("--tokens", help="token ids instead of a prompt, e.g. '1,2,3'")
     cl.add_argument("--threshold", type=POSITIVE, default=1e-4, help="whole-model NMSE shown as good")
     cl.add_argument("--mode", choices=["ggml", "f32"], default="ggml", help="ggml: round as llama.cpp does")
     cl.add_argument("--blocks", action="store_true", help="print every position and every stage")
-    cl.add_argument(
-        "--judge",
-        choices=["moonshot"],
-        help="also judge the reference by Moonshot's own forward (pip install 'k3lab[judge]')",
-    )
+    judge = "also judge the reference by Moonshot's own forward (pip install 'k3lab[judge]')"
+    cl.add_argument("--judge", choices=["moonshot"], help=judge)
 
     cv = command(
         "check-vision", _check_vision, "the mmproj, read as a runtime reads it, vs the source's tower"

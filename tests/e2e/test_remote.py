@@ -281,11 +281,11 @@ def test_a_moved_or_missing_revision_is_one_line(set_hub) -> None:
 
 
 def test_the_readmes_papermill_line_runs_verbatim(tmp_path: Path, hub_env: HubServer) -> None:
-    """The README's command for a notebook on the Hub, as written, from a fresh folder."""
+    """The notebooks page's command for a notebook on the Hub, as written, from a fresh folder."""
     import os
     import re
 
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "notebooks.md").read_text()
     line = next(
         ln for ln in readme.splitlines() if ln.startswith("papermill notebooks/02-mxfp4-scales.ipynb")
     )

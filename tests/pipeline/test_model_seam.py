@@ -137,9 +137,9 @@ def test_a_toy_plan_is_never_taken_for_a_kimi_plan(tmp_path: Path) -> None:
 
 
 def _readme_layout() -> dict[str, set[str]]:
-    """The README's layout block: folder (``""`` for the package itself, ``pipeline/sources`` ...) ->
-    the files it names. Indentation gives the nesting: a name ending in ``/`` opens a folder."""
-    text = (PACKAGE.parent / "README.md").read_text()
+    """The architecture page's layout block: folder (``""`` for the package itself, ``pipeline/sources``
+    ...) -> the files it names. Indentation gives the nesting: a name ending in ``/`` opens a folder."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
     block = text[text.index("```\nk3lab/\n") + 4 :]
     block = block[: block.index("```")]
     named: dict[str, set[str]] = {}
@@ -164,8 +164,8 @@ def _readme_layout() -> dict[str, set[str]]:
 
 
 def test_the_readme_layout_matches_the_tree() -> None:
-    """Every public module of the package and its folders is named where it lives in the README's
-    layout section, and every file named there exists."""
+    """Every public module of the package and its folders is named where it lives in the layout section
+    of docs/architecture.md, and every file named there exists."""
     named = _readme_layout()
     folders = [""] + sorted(
         str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*") if p.is_dir() and (p / "__init__.py").exists()
@@ -178,7 +178,7 @@ def test_the_readme_layout_matches_the_tree() -> None:
             if p.suffix in (".py", ".md") and not p.name.startswith("_")
         }
         assert named.get(folder, set()) == here, (
-            f"README layout, k3lab/{folder}: not named {sorted(here - named.get(folder, set()))}, "
+            f"docs/architecture.md layout, k3lab/{folder}: not named {sorted(here - named.get(folder, set()))}, "
             f"named but missing {sorted(named.get(folder, set()) - here)}"
         )
         assert (PACKAGE / folder / "__init__.py").read_text().strip().startswith('"""'), (
@@ -287,8 +287,9 @@ def test_declared_dependencies_are_the_imported_ones() -> None:
 
 
 def test_generated_files_name_no_stale_path() -> None:
-    """TENSOR_MAP.md (pushed to every repo) and the README name only paths that exist."""
-    for doc in ("TENSOR_MAP.md", "README.md"):
+    """TENSOR_MAP.md (pushed to every repo), the README and docs/ name only paths that exist."""
+    docs = sorted(str(p.relative_to(PACKAGE.parent)) for p in (PACKAGE.parent / "docs").rglob("*.md"))
+    for doc in ("TENSOR_MAP.md", "README.md", *docs):
         text = (PACKAGE.parent / doc).read_text()
         for path in sorted(
             set(re.findall(r"`((?:k3lab|tests|notebooks|benchmarks)/[\w/.-]+\.(?:py|md|ipynb))`", text))
