@@ -1,0 +1,39 @@
+"""k3lab benchmarks: `python benchmarks/run.py [ROW ...]` prints a table; each row is a module of
+this package (its `bench_*` function), `common` what they share.
+
+Every figure is a ratio against a peer measured in the same run (memcpy, `cp`, or the
+straightforward implementation), because these machines are shared and noisy. Rows:
+  repack      MXFP4 repack of one [3072, 3584] expert vs a numpy copy of the same bytes and vs
+              the unpack/stack implementation
+  layer       one `layer` shard (real expert dims 3584/3072) with 16 and 64 experts: conversion wall
+              time (manifest hashing included) as a ratio to `cp` and to `cp && sync` of the same source
+              file (k3lab fsyncs what it writes), hashing overhead, and peak RSS of the converting process
+  fullscale   on `synth --preset full` (the real 96-shard headers; data as sparse holes, so reading costs
+              no disk): planning once vs loading the saved plan, the fixed cost of a task before its
+              first byte, re-running a complete shard, one MoE shard vs `dd conv=fsync` of the same
+              size, --jobs 1 vs --jobs 2 on two MoE shards, and peak RSS per shard kind vs the plan's
+              forecast. Needs ~40 GB free disk (output files are deleted as it goes); K3LAB_FULL=DIR
+              reuses a synthesised full checkpoint.
+  notebooks   on `synth --preset full`: notebook 01's shard picker (slowest change), notebook 02 run
+              headless by papermill (wall time, peak RSS)
+  startup     `k3lab --help` and `k3lab verify` of the tiny set (whole commands, best of 7), at this
+              checkout and at K3LAB_BASELINE (a git ref, default the commit before "one way in"): what
+              a command imports before it does anything
+  remote      looking without downloading, at the real model's size (`synth --preset full` served by
+              the loopback Hub in another process, one link paced at K3LAB_LINK bytes/s, default 200e6):
+              notebook 02's view of one layer (bytes against the shard, time against bytes/rate),
+              the same view again, notebook 01's planning (every shard's header, nothing else), and
+              `verify ORG/NAME` of a sparse full-size GGUF set (headers, --sample 1, --all's memory)
+  dense       one real-size MoE shard with real bytes (a `full` checkpoint's shard 2, its data filled
+              with random bytes: 16 GB), each run from an empty page cache (as root: drop_caches;
+              said when not): convert it, against a `dd iflag=direct oflag=direct` copy of the same
+              file, in paired rounds
+  cluster     a real `dask scheduler` and one `dask worker` (then two) publishing 6 MoE layer shards at
+              the real expert dims (16 experts each) from the loopback Hub to the loopback Hub, each
+              worker's link paced both ways (K3LAB_LINK bytes/s down, K3LAB_UPLINK up; default 40e6
+              each) so that the network sets the pace: wall time against the larger of a worker's
+              download, upload and conversion times plus one shard's fill, beside the same run by
+              K3LAB_BASELINE's code (one step after another)
+  tokenizer   GGUF vocabulary of the real size (163,840 ids) vs the straightforward per-token BPE
+              reconstruction (as upstream does it) on the same vocabulary; the merges must agree
+"""
