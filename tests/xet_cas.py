@@ -159,6 +159,7 @@ class XetCas:
         self.by_sha: dict[str, str] = {}  # SHA-256 -> Xet hash
         self.received = {"xorbs": 0, "shards": 0, "chunk_headers": 0}
         self.trickle = self.dead = self.garbage = self.huge = self.refuse = False
+        self.outage_at_xorb = 0.0  # seconds of outage that the first xorb upload starts (mid-transfer)
         self.posts = 0
         self.requests: list[tuple[str, str]] = []
         self.lock = threading.Lock()
@@ -211,6 +212,10 @@ class XetCas:
             if fail:
                 return self.hub._error(h, 500, "", "Internal Server Error")
         if m := re.fullmatch(r"/v1/xorbs/default/([0-9a-f]{64})", route):
+            if self.outage_at_xorb:
+                seconds, self.outage_at_xorb = self.outage_at_xorb, 0.0
+                self.hub.outage(seconds)
+                return self.hub._drop(h)
             if self.refuse:
                 return self.hub._error(h, 403, "", "this token may not write to the repo's storage")
             return self._xorb(h, m[1], body)

@@ -98,14 +98,20 @@ def test_a_dead_cas_fails_within_the_retry_budget(xet_env: Path, tiny_src: Path,
     assert took < 4 + 5 + 5, took  # the budget, then one attempt's own retries and a window at most
 
 
-def test_a_cas_outage_shorter_than_the_budget_is_ridden_out(xet_env: Path, tiny_src: Path) -> None:
+@pytest.mark.parametrize("when", ["before", "mid-transfer"])
+def test_a_cas_outage_shorter_than_the_budget_is_ridden_out(xet_env: Path, tiny_src: Path, when: str) -> None:
+    """The Hub and its CAS unreachable for 3 s, from before the upload starts or from its first xorb
+    on (that xorb's connection dropped): the upload rides it out and the CAS holds the file's bytes."""
     path = _file(xet_env)
     with HubServer(tiny_src, token=TOKEN) as hub:
         _repo(hub)
-        hub.outage(3)
+        if when == "before":
+            hub.outage(3)
+        else:
+            hub.cas.outage_at_xorb = 3.0
         op, _ = _send(hub, path, budget=60)
         assert hub.blobs[op.upload_info.sha256.hex()] == path.read_bytes()
-        assert hub.dropped > 0  # (the outage was met)
+        assert hub.dropped > 0 and not hub.cas.outage_at_xorb  # (the outage was met)
 
 
 def test_a_cas_that_refuses_is_one_line_at_once(xet_env: Path, tiny_src: Path) -> None:
