@@ -246,3 +246,15 @@ def test_synths_checkpoint_is_read_as_moonshot_reads_it(tiny_src: Path) -> None:
     assert first is None, (first, figures)
     mine = Reference(K3Config.load(tiny_src), LocalSource(tiny_src), mode="f32").logits(TOKENS)
     assert _nmse(logits, mine) < NMSE
+
+
+def test_ssm_as_sign_broken_is_named_at_layer_0(judged, request, monkeypatch) -> None:
+    """The decay's sign flipped (ssm_a = +exp(A_log), a state that grows): named at layer 0's KDA. On
+    the 0.40B's form, where the gate is -exp(A_log) * softplus (Kimi-K3's lower-bound gate is a
+    sigmoid's, checked by the gate-form test)."""
+    if "0.40b" not in request.node.name:
+        pytest.skip("the lower-bound gate has no softplus decay to flip")
+    src, _, trace, _ = judged
+    monkeypatch.setattr(reference, "softplus", lambda x: -np.logaddexp(0.0, x))
+    first, _ = _first_apart(src, trace)
+    assert first == "kda_out-0", first
