@@ -252,22 +252,19 @@ class UnitLayout(Mapping[str, TensorSpec]):
         self.kinds = {
             tuple(n[len(self.start) :].split(".", 1)[1].split(".", 1)): s for n, s in experts.items()
         }
+        self.numbers = frozenset(str(e) for e in range(count))  # (as written: no sign, no leading zero)
 
     def get(self, name: str, default: Any = None) -> Any:
         spec = self.fixed.get(name)
         if spec is not None or not name.startswith(self.start):
             return spec if spec is not None else default
         parts = name[len(self.start) :].split(".")  # expert, projection, tensor
-        if (
-            len(parts) != 3
-            or not (parts[0].isascii() and parts[0].isdigit())
-            or parts[0] != str(int(parts[0]))
-        ):
+        zero = self.kinds.get((parts[1], parts[2])) if len(parts) == 3 and parts[0] in self.numbers else None
+        if zero is None:
             return default
-        zero = self.kinds.get((parts[1], parts[2]))
-        if zero is None or int(parts[0]) >= self.count:
-            return default
-        return TensorSpec(name, zero.dtype, zero.shape, zero.kind, zero.accepts)
+        spec = object.__new__(TensorSpec)  # (expert 0's, renamed: a frozen dataclass's __init__ is slow)
+        spec.__dict__.update(zero.__dict__, name=name)
+        return spec
 
     def __getitem__(self, name: str) -> TensorSpec:
         spec = self.get(name)

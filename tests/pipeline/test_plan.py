@@ -264,3 +264,18 @@ def test_a_units_layout_made_lazily_is_the_layout_made_whole(make: str) -> None:
         strangers = (f"{p}{cfg.n_expert}.w1.weight", f"{p}01.w1.weight", f"{p}0.w4.weight", f"{p}0.w1.bias")
         for stranger in (*strangers, f"{p}\u00b2.w1.weight", f"{p}0.w1", f"{p}-1.w1.weight"):
             assert lazy.get(stranger) is None and stranger not in lazy
+
+
+def test_a_rules_source_names_are_its_templates_formatted() -> None:
+    """``Rule.source_names`` (made by cutting each template once around its expert number) is every
+    template formatted with the layer and each expert number, expert-major, for every rule."""
+    from k3lab.kimi_k3.config import K3Config
+    from k3lab.kimi_k3.model import MODEL
+    from k3lab.kimi_k3.synth import presets
+
+    for cfg in (K3Config.from_dict(presets.real_config()), K3Config.from_dict(presets.tiny_config())):
+        for rule in MODEL.rules:
+            for bid in (None, 0, cfg.n_layer - 1):
+                experts = range(cfg.n_expert) if rule.per_expert else [None]
+                want = tuple(rule.prefix + s.format(bid=bid, e=e) for e in experts for s in rule.sources)
+                assert rule.source_names(cfg, bid) == want, rule
