@@ -110,18 +110,29 @@ def read_index(path: str | Path) -> dict[str, str]:
         weight_map = index["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        # (the types gathered at C speed: an index of Kimi-K3 names 500,000 tensors)
+        if not set(map(type, weight_map)) <= _STR or not set(map(type, weight_map.values())) <= _STR:
             raise TypeError("weight_map maps tensor names to file names (strings)")
     except (KeyError, TypeError) as e:
         raise SafetensorsError(f"{path}: not a safetensors index ({type(e).__name__}: {e})") from None
     files: dict[str, str] = {}  # one string object per file name: 500k entries share 96
-    for name, file in weight_map.items():
-        if file not in files:
+    for file in dict.fromkeys(weight_map.values()):  # (in the index's order: the first bad one is said)
+        if not _shard_name_ok(file):
+            name = next(k for k, v in weight_map.items() if v == file)
             check_shard_name(file, f"{path}: tensor {name}")
-            files[file] = file
-        if _CONTROL.search(name):
-            raise SafetensorsError(f"{path}: tensor name {name!r} holds a control character")
+        files[file] = file
+    if _CONTROL.search("".join(weight_map)):  # (one search; the loop names the name)
+        name = next(k for k in weight_map if _CONTROL.search(k))
+        raise SafetensorsError(f"{path}: tensor name {name!r} holds a control character")
     return {k: files[v] for k, v in weight_map.items()}
+
+
+def _shard_name_ok(file: str) -> bool:
+    try:
+        check_shard_name(file, "")
+    except SafetensorsError:
+        return False
+    return True
 
 
 class TensorEntry(NamedTuple):
@@ -239,7 +250,7 @@ def parse_header(
     return entries, metadata
 
 
-_INT = {int}
+_INT, _STR = {int}, {str}
 MAX_NESTING = 64  # a header is a flat object of small objects; deeper JSON is not a header
 
 
