@@ -294,6 +294,13 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
         raise
 
 
+def cache_home() -> Path:
+    """k3lab's own cache folder: ``K3LAB_CACHE``, else ``$XDG_CACHE_HOME/k3lab``, else ``~/.cache/k3lab``."""
+    if os.environ.get("K3LAB_CACHE"):
+        return Path(os.environ["K3LAB_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")) / "k3lab"
+
+
 def is_regular_file(path: Path) -> bool:
     """Whether ``path`` itself (not a symlink's target) is a regular file."""
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import binascii
 import functools
+import hashlib
 import itertools
 import os
 from dataclasses import dataclass, field
@@ -25,8 +26,8 @@ from pathlib import Path
 from gguf import GGUFValueType, Keys, TokenType
 
 from k3lab.errors import K3LabError
-from k3lab.formats.bpe_merges import bpe_merge_ranks
-from k3lab.formats.files import InputFileError, read_bounded, read_json, read_text, within
+from k3lab.formats.bpe_merges import cached_merge_ranks
+from k3lab.formats.files import InputFileError, cache_home, read_bounded, read_json, read_text, within
 from k3lab.formats.gguf_stream import KV
 from k3lab.kimi_k3 import chat
 from k3lab.kimi_k3.config import K3Config
@@ -53,6 +54,7 @@ KIMI_PAT_STR = "|".join(
 
 
 TOKENIZER_LIMIT = 64 * 1024 * 1024  # the real tiktoken.model is ~2.5 MB
+MERGES_FOLDER = "bpe-merges"  # in k3lab's cache: a vocabulary's merges, by its file's SHA-256
 TEMPLATE_LIMIT = 4 * 1024 * 1024
 
 
@@ -302,8 +304,12 @@ def build_vocabulary(meta_dir: str | Path, cfg: K3Config | None = None) -> Vocab
             f"vocab_size {n_vocab} of {cfg.path}"
         )
     as_unicode = tokens_to_unicode(ranked)
-    # a merge's two parts are themselves ranked tokens, so their strings are already made
-    pairs = bpe_merge_ranks(ranked)
+    # a merge's two parts are themselves ranked tokens, so their strings are already made; the
+    # merges of a vocabulary are derived once and kept in k3lab's cache, by the file's SHA-256
+    key = hashlib.sha256(
+        read_bounded(meta_dir / "tiktoken.model", TOKENIZER_LIMIT, "tiktoken.model")
+    ).hexdigest()
+    pairs = cached_merge_ranks(ranked, key, cache_home() / MERGES_FOLDER)
     merges = list(map(" ".join, ((as_unicode[a], as_unicode[b]) for a, b in pairs)))
     tokens = as_unicode + [f"[PAD{i}]" for i in range(len(ranked), n_vocab)]
     types = [TOKEN_NORMAL] * len(ranked) + [TOKEN_UNUSED] * (n_vocab - len(ranked))

@@ -252,3 +252,46 @@ def test_a_sources_chat_template_jinja_is_read_only_inside_the_checkpoint(
     assert code == 2 and len(err.splitlines()) == 1 and str(own) in err, err
     assert ("is a FIFO" if kind == "fifo" else "is a link out of") in err
     assert not out.exists()
+
+
+def test_merges_are_derived_once_and_a_cache_entry_proves_itself(tmp_path, monkeypatch) -> None:
+    """A vocabulary's merges, kept in k3lab's cache by the SHA-256 of its file: read back the second
+    time (nothing derived), and an entry that does not prove itself (a byte flipped; pairs rewritten with
+    their hash; a link in its place) is derived again, never used, never written through."""
+    import hashlib
+
+    import numpy as np
+
+    from k3lab.formats import bpe_merges
+    from k3lab.formats.bpe_merges import MAGIC, cached_merge_ranks
+
+    tokens = [bytes([b]) for b in range(256)] + [b"ab", b"abc", b"bc", b"abcd", b"xy"]
+    want = bpe_merges.bpe_merge_ranks(tokens)
+    key = hashlib.sha256(b"the file").hexdigest()
+    folder = tmp_path / "bpe-merges"
+    assert cached_merge_ranks(tokens, key, folder) == want
+    entry = folder / f"{key}.merges"
+    assert entry.read_bytes().startswith(MAGIC)
+
+    def derived(_tokens):  # (a second derivation is the failure this test looks for)
+        raise AssertionError("derived again")
+
+    monkeypatch.setattr(bpe_merges, "bpe_merge_ranks", derived)
+    assert cached_merge_ranks(tokens, key, folder) == want
+    monkeypatch.undo()
+
+    good = entry.read_bytes()
+    flipped = bytearray(good)
+    flipped[-1] ^= 1
+    rewritten = np.asarray(want[::-1], dtype="<i4").tobytes()  # rank order broken, its hash made anew
+    for bad in (bytes(flipped), MAGIC + hashlib.sha256(rewritten).hexdigest().encode() + b"\n" + rewritten):
+        entry.write_bytes(bad)
+        assert cached_merge_ranks(tokens, key, folder) == want
+        assert entry.read_bytes() == good  # (replaced by the derived one)
+
+    target = tmp_path / "elsewhere"
+    target.write_bytes(good)
+    entry.unlink()
+    entry.symlink_to(target)
+    assert cached_merge_ranks(tokens, key, folder) == want
+    assert entry.is_symlink() and target.read_bytes() == good  # (not followed, not replaced)

@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 
 from k3lab.errors import K3LabError
-from k3lab.formats.files import PARTIAL
+from k3lab.formats.files import PARTIAL, cache_home
 from k3lab.pipeline.hub.range_files import (
     CHANGED,
     DIR_FLAGS,
@@ -76,11 +76,8 @@ _OLD_ENTRY, _OLD_KEY = re.compile(r"\d{1,20}-\d{1,20}"), re.compile(r"git-[0-9a-
 
 
 def cache_root() -> Path:
-    """Where the cache lives: ``K3LAB_CACHE``, else the user's cache folder."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "k3lab"
+    """Where the cache lives: ``K3LAB_CACHE``, else the user's cache folder (``files.cache_home``)."""
+    return cache_home()
 
 
 def cache_limit() -> int:
