@@ -30,8 +30,12 @@ def cache() -> Path:
 
 def folder() -> Path | None:
     """Moonshot's ``kimi_k3`` folder on this machine, or None."""
-    spec = importlib.util.find_spec("llmcompressor")
-    places = [Path(p).parent / FILES for p in (spec.submodule_search_locations or [])] if spec else []
+    try:
+        spec = importlib.util.find_spec("llmcompressor")
+        found = list(spec.submodule_search_locations or []) if spec else []
+    except ValueError:  # (a stand-in parent package with no spec, made by code loading the files)
+        found = list(getattr(sys.modules.get("llmcompressor"), "__path__", []))
+    places = [Path(p).parent / FILES for p in found]
     places.append(cache() / "src" / FILES)
     return next((p for p in places if (p / "encoding_k3.py").is_file()), None)
 

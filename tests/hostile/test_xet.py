@@ -229,6 +229,8 @@ def test_sigterm_and_ctrl_c_stop_a_xet_upload_within_2_s_and_commit_nothing(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            # Ctrl-C as a terminal gives it (the test runner may ignore SIGINT: a child would inherit that)
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         until = time.monotonic() + 60
         while time.monotonic() < until and not any(p.startswith("/cas/v1/") for _, p in hub.cas.requests):

@@ -124,7 +124,7 @@ def test_a_broken_kv_split_is_named_at_the_first_mla_layer(judged, monkeypatch) 
 
 
 @needs_llama
-@pytest.mark.parametrize("outtype", ["auto", "f16"])
+@pytest.mark.parametrize("outtype", ["auto", pytest.param("f16", marks=pytest.mark.slow)])  # (F16: figures)
 def test_llama_cpp_on_k3labs_gguf_against_moonshots_forward(judged, tmp_path: Path, outtype: str) -> None:
     """upstream's kimi-k3 in llama.cpp, on k3lab's GGUF of the checkpoint, against Moonshot's forward
     over a 64-token prompt: per-position NMSE of the logits and top-1 agreement, printed (the README's
