@@ -73,3 +73,12 @@ def test_the_readmes_local_recipe_runs_as_written_after_the_demo(tmp_path: Path)
             [*k3, *line.split()[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=600
         )
         assert r.returncode == 0, (line, r.stderr[-2000:])
+
+
+def test_the_metadata_reference_is_what_the_code_writes() -> None:
+    """docs/reference/metadata.md regenerates byte-identical (`python -m k3lab.metadata_reference`)."""
+    from k3lab.metadata_reference import markdown
+
+    assert (ROOT / "docs" / "reference" / "metadata.md").read_text() == markdown(), (
+        "docs/reference/metadata.md is stale: python -m k3lab.metadata_reference > docs/reference/metadata.md"
+    )
