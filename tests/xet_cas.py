@@ -161,6 +161,7 @@ class XetCas:
         self.trickle = self.dead = self.garbage = self.huge = self.refuse = False
         self.outage_at_xorb = 0.0  # seconds of outage that the first xorb upload starts (mid-transfer)
         self.posts = 0
+        self.resent: list[str] = []  # xorbs uploaded again though the CAS held them
         self.requests: list[tuple[str, str]] = []
         self.lock = threading.Lock()
 
@@ -243,6 +244,8 @@ class XetCas:
             return
         spans = chunk_spans(body)
         with self.lock:
+            if xhash in self.xorbs:
+                self.resent.append(xhash)  # (bytes the CAS already held, sent again)
             self.xorbs[xhash] = body
             self.received["xorbs"] += len(body)
             self.received["chunk_headers"] += 8 * len(spans)
@@ -263,8 +266,9 @@ class XetCas:
             with self.lock:
                 self.files[f["hash"]] = {"terms": f["terms"], "sha256": sha, "size": len(data)}
                 self.by_sha[sha] = f["hash"]
+                if sha not in self.hub.blobs:  # (a file's bytes stored, as an LFS PUT would be counted;
+                    self.hub.uploads.append(sha)  # a file described again by a shard sends none)
                 self.hub.blobs[sha] = data  # (the Hub's commit takes it by SHA-256, as an LFS object)
-                self.hub.uploads.append(sha)  # (a file sent, as an LFS PUT would be counted)
         with self.lock:
             self.received["shards"] += len(body)
         self._raw(h, json.dumps({"result": 1}).encode())

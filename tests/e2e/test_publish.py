@@ -204,7 +204,7 @@ def test_a_killed_publishing_run_uploads_only_the_rest(
         }
         singles = {"Kimi-K3-tokenizer.gguf", "mmproj-Kimi-K3-BF16.gguf"}
         assert later == set(p.name for p in tiny_out.glob("*.gguf")) - committed | singles
-        assert len(hub.uploads) == len(set(hub.uploads))  # every blob sent once
+        assert len(hub.uploads) == len(set(hub.uploads))  # every file stored once
         for name, data in _repo_ggufs(hub).items():
             if name not in singles:
                 assert data == (tiny_out / name).read_bytes(), name
