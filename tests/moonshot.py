@@ -61,17 +61,10 @@ def _unpacked() -> Path:
 
 
 def _stand_ins(root: Path, packages: tuple[str, ...]) -> None:
-    """Empty parent packages over the unpacked files, so that the package's own ``__init__`` (its
-    training stack) never runs; each with a spec, as the judge's own (``moonshot_forward.modules``)."""
-    import importlib.machinery
+    """The judge's stand-in parent packages over the unpacked files (its ``__init__`` never runs)."""
+    from k3lab.kimi_k3.moonshot_forward import stand_in_parents
 
-    for name in packages:
-        if name not in sys.modules:
-            stand_in = types.ModuleType(name)
-            stand_in.__path__ = [str(root / name.replace(".", "/"))]
-            stand_in.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
-            stand_in.__spec__.submodule_search_locations = stand_in.__path__
-            sys.modules[name] = stand_in
+    stand_in_parents(root, packages)
 
 
 def modeling() -> types.SimpleNamespace:

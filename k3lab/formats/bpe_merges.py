@@ -15,6 +15,7 @@ tokens into a token of a higher rank, in rising order; anything else is made aga
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 from pathlib import Path
@@ -85,14 +86,14 @@ def cached_merge_ranks(tokens: list[bytes], key: str, folder: Path | None) -> li
         return found
     pairs = bpe_merge_ranks(tokens)
     body = np.asarray(pairs, dtype="<i4").reshape(-1, 2).tobytes()
-    try:
+    # best effort: a cache that cannot be written (read-only, full, a link in the way) costs only the
+    # next plan this derivation again
+    with contextlib.suppress(OSError, InputFileError):
         if not folder.is_symlink():
             folder.mkdir(parents=True, exist_ok=True)
             write_atomically(
                 path, lambda fh: fh.write(MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
             )
-    except (OSError, InputFileError):
-        pass
     return pairs
 
 

@@ -164,6 +164,18 @@ def _fla_modules() -> tuple[type, type]:
     return ShortConvolution, FusedRMSNormGated
 
 
+def stand_in_parents(root: Path, packages: tuple[str, ...]) -> None:
+    """Empty parent packages over the wheel's files under ``root`` (each with a spec, as an import
+    would give it), so that the package's own ``__init__`` (a training stack) never runs."""
+    for name in packages:
+        if name not in sys.modules:
+            stand_in = types.ModuleType(name)
+            stand_in.__path__ = [str(root / name.replace(".", "/"))]
+            stand_in.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+            stand_in.__spec__.submodule_search_locations = stand_in.__path__
+            sys.modules[name] = stand_in
+
+
 def modules() -> types.SimpleNamespace:
     """Moonshot's modules (``config``, ``text``, ``model``, ``vision_processing``), importable here:
     the wheel's files under stand-in parent packages (its ``__init__`` pulls in a training stack), fla's
@@ -173,14 +185,9 @@ def modules() -> types.SimpleNamespace:
     folder = moonshot.folder()
     if folder is None:
         raise K3LabError(moonshot.missing())
-    root = folder.parents[2]
-    for name in ("llmcompressor", "llmcompressor.modeling", "llmcompressor.modeling.moe"):
-        if name not in sys.modules:
-            stand_in = types.ModuleType(name)
-            stand_in.__path__ = [str(root / name.replace(".", "/"))]
-            stand_in.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
-            stand_in.__spec__.submodule_search_locations = stand_in.__path__
-            sys.modules[name] = stand_in
+    stand_in_parents(
+        folder.parents[2], ("llmcompressor", "llmcompressor.modeling", "llmcompressor.modeling.moe")
+    )
     # its "install fla" warning: fla is served here (its own import would need Triton)
     logging.getLogger(f"{PACKAGE}.modeling_kimi_linear").setLevel(logging.ERROR)
     with contextlib.redirect_stderr(open(os.devnull, "w")):
