@@ -159,6 +159,9 @@ MAX_ITEMS, MAX_OBJECTS = 8_000_000, 2_000_000
 SHAPE_STEP = 1 << 20  # bytes scanned at once by ``json_shape`` (its temporaries: ~40 bytes per byte)
 
 
+_NOT_STRUCTURAL = bytes(b for b in range(256) if b not in b'"{}[],:')
+
+
 def json_shape(data: bytes) -> tuple[int, int, int]:
     return json_counts(data)[:3]
 
@@ -169,6 +172,10 @@ def json_counts(data: bytes) -> tuple[int, int, int, int]:
     linear pass, a MiB at a time, with no regular expression and no recursion (json.loads recurses,
     and a pattern for strings can be made to backtrack over every quote of crafted text: quadratic
     time). A quote ends a string unless an odd run of backslashes precedes it."""
+    if b"\\" not in data:
+        # without a backslash only the quotes and the six structural bytes decide these counts: the
+        # rest is dropped at C speed first (Kimi-K3's headers, 76 MB, keep 12 MB; 1.35 s became 0.24 s)
+        data = data.translate(None, _NOT_STRUCTURAL)
     top = depth = commas = objects = colons = 0
     inside, run = 0, 0  # within a string after the bytes so far; backslashes ending them
     for at in range(0, len(data), SHAPE_STEP):

@@ -9,8 +9,10 @@ dtype x shape != byte length, overlapping ranges) and names the file and tensor 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import operator
 import os
 import re
 import struct
@@ -21,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from k3lab.errors import K3LabError
-from k3lab.formats.files import InputFileError, json_counts, open_regular, read_json
+from k3lab.formats.files import InputFileError, json_counts, open_regular, parse_json, read_bounded
 
 DTYPE_SIZE = {
     "BOOL": 1,
@@ -105,7 +107,8 @@ def read_index(path: str | Path) -> dict[str, str]:
     """An index's weight_map (tensor name -> file), every entry checked: file names are relative
     ``.safetensors`` paths inside the checkpoint, tensor names hold no control characters."""
     path = Path(path)
-    index = read_json(path, INDEX_LIMIT, "safetensors index")
+    raw = read_bounded(path, INDEX_LIMIT, "safetensors index")
+    index = parse_json(raw, str(path))
     try:
         weight_map = index["weight_map"]
         if not isinstance(weight_map, dict):
@@ -121,10 +124,11 @@ def read_index(path: str | Path) -> dict[str, str]:
             name = next(k for k, v in weight_map.items() if v == file)
             check_shard_name(file, f"{path}: tensor {name}")
         files[file] = file
-    if _CONTROL.search("".join(weight_map)):  # (one search; the loop names the name)
+    # (one search, and none without a backslash: JSON holds a control character only as an escape)
+    if b"\\" in raw and _CONTROL.search("".join(weight_map)):
         name = next(k for k in weight_map if _CONTROL.search(k))
         raise SafetensorsError(f"{path}: tensor name {name!r} holds a control character")
-    return {k: files[v] for k, v in weight_map.items()}
+    return dict(zip(weight_map, map(files.__getitem__, weight_map.values())))
 
 
 def _shard_name_ok(file: str) -> bool:
@@ -157,16 +161,17 @@ def _entry_problem(file: str, name: str, dtype: str, shape: tuple, begin: int, e
     return f"{file}: tensor {name}: {dtype} {list(shape)} needs {want} bytes, data_offsets span {end - begin}"
 
 
-def _check_overlaps(file: str, entries: dict[str, TensorEntry]) -> None:
-    items = [e for e in entries.values() if e.nbytes]
-    if len(items) < 2:
+def _check_overlaps(file: str, entries: list[TensorEntry]) -> None:
+    if len(entries) < 2:
         return
-    starts = np.fromiter((e.start for e in items), dtype=np.int64, count=len(items))
-    ends = starts + np.fromiter((e.nbytes for e in items), dtype=np.int64, count=len(items))
-    order = np.argsort(starts, kind="stable")
+    # (the columns at C speed: a TensorEntry is a tuple, its fields are its items)
+    starts = np.array(list(map(operator.itemgetter(3), entries)), dtype=np.int64)
+    ends = starts + np.array(list(map(operator.itemgetter(4), entries)), dtype=np.int64)
+    ranges = np.flatnonzero(ends > starts)  # (an empty tensor overlaps nothing)
+    order = ranges[np.argsort(starts[ranges], kind="stable")]
     clash = np.nonzero(starts[order][1:] < ends[order][:-1])[0]
     if clash.size:
-        a, b = items[order[clash[0]]], items[order[clash[0] + 1]]
+        a, b = entries[order[clash[0]]], entries[order[clash[0] + 1]]
         raise SafetensorsError(f"{file}: tensors {a.name} and {b.name} overlap")
 
 
@@ -188,7 +193,10 @@ def _keys(header: dict) -> int:
     """The keys of a parsed header and of the objects directly in it. Never more than the text's
     pairs (each key comes of a colon); equal only when no key of these two levels was named twice
     and nothing nests deeper (else the exact, slower parse decides)."""
-    return len(header) + sum(len(v) for v in header.values() if type(v) is dict)
+    values = header.values()
+    if set(map(type, values)) == _DICT:  # (a sound header: every value an object, counted at C speed)
+        return len(header) + sum(map(len, values))
+    return len(header) + sum(len(v) for v in values if type(v) is dict)
 
 
 def parse_header(
@@ -214,9 +222,55 @@ def parse_header(
         raise SafetensorsError(f"{file}: header is not a JSON object")
     data_start = 8 + len(raw)
     metadata = header.pop("__metadata__", None) or {}
-    entries: dict[str, TensorEntry] = {}
     limit = None if file_size is None else file_size - data_start
+    # (JSON holds a control character in a string only as an escape: without a backslash, no name has one)
+    entries = _sound_entries(header, file, data_start, limit, escaped=b"\\" in raw)
+    if entries is None:
+        entries = _entries_one_by_one(header, file, data_start, limit)
+    _check_overlaps(file, list(entries.values()))
+    return entries, metadata
+
+
+def _sound_entries(
+    header: dict, file: str, data_start: int, limit: int | None, escaped: bool = True
+) -> dict[str, TensorEntry] | None:
+    """Every entry of a sound header, checked a column at a time (dtypes, dimensions, offsets, sizes:
+    each one pass at C speed; a Kimi-K3 header has 5,400 entries and the model 500,000). None when
+    anything is off: the entry-by-entry check then names the first entry at fault."""
+    try:
+        infos = list(header.values())
+        dtypes = [i["dtype"] for i in infos]
+        shapes = [tuple(i["shape"]) for i in infos]
+        offsets = [i["data_offsets"] for i in infos]
+        if not set(dtypes) <= DTYPE_SIZE.keys() or not set(map(len, offsets)) <= {2}:
+            return None
+        begins, ends = [b for b, _ in offsets], [e for _, e in offsets]
+    except (KeyError, TypeError, ValueError):
+        return None
+    if escaped and _CONTROL.search("".join(header)):
+        return None
+    dims = [d for shape in shapes for d in shape]
+    if not (set(map(type, dims)) | set(map(type, begins)) | set(map(type, ends))) <= _INT:
+        return None  # (JSON gives ints for whole numbers; a float or a bool is not one)
+    if min(dims, default=0) < 0 or min(begins, default=0) < 0:
+        return None
+    spans = list(map(operator.sub, ends, begins))
+    if spans != list(map(operator.mul, map(math.prod, shapes), map(DTYPE_SIZE.__getitem__, dtypes))):
+        return None
+    if limit is not None and max(ends, default=0) > limit:
+        return None
+    starts = [data_start + begin for begin in begins]
+    rows = zip(header, dtypes, shapes, starts, spans, itertools.repeat(file))
+    # (tuple.__new__ makes each entry without a Python-level call: half the time for 500,000)
+    return dict(zip(header, map(tuple.__new__, itertools.repeat(TensorEntry), rows)))
+
+
+def _entries_one_by_one(
+    header: dict, file: str, data_start: int, limit: int | None
+) -> dict[str, TensorEntry]:
+    """The entries checked one at a time: the first one at fault is refused by name."""
     size_of, prod, make = DTYPE_SIZE.get, math.prod, TensorEntry
+    entries: dict[str, TensorEntry] = {}
     named = _CONTROL.search("".join(header)) is not None  # (one search; the loop names the name)
     for name, info in header.items():
         if named and _CONTROL.search(name):  # (as in an index: a name is said in one line, or refused)
@@ -225,8 +279,7 @@ def parse_header(
             dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
             size = size_of(dtype)
             want = prod(shape) * size if size else -1
-            # JSON gives ints for whole numbers (a float or a bool is not one); the types are
-            # gathered at C speed (a generator per entry was a tenth of planning Kimi-K3)
+            # JSON gives ints for whole numbers (a float or a bool is not one)
             ints = type(begin) is int and type(end) is int and set(map(type, shape)) <= _INT
             ok = (
                 ints
@@ -243,14 +296,13 @@ def parse_header(
         if limit is not None and end > limit:
             raise SafetensorsError(
                 f"{file}: tensor {name}: data ends at byte {data_start + end}, "
-                f"past the end of the file ({file_size} bytes; truncated?)"
+                f"past the end of the file ({data_start + limit} bytes; truncated?)"
             )
         entries[name] = make(name, dtype, shape, data_start + begin, end - begin, file)
-    _check_overlaps(file, entries)
-    return entries, metadata
+    return entries
 
 
-_INT, _STR = {int}, {str}
+_INT, _STR, _DICT = {int}, {str}, {dict}
 MAX_NESTING = 64  # a header is a flat object of small objects; deeper JSON is not a header
 
 

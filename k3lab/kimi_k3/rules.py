@@ -22,8 +22,15 @@ TEXT_PREFIX = "language_model."
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
+_TEXT_LAYERS = TEXT_PREFIX + "model.layers."  # (holds no other "layers.": its number is the first match)
+
+
 def layer_of(name: str) -> int | None:
     """The layer a checkpoint tensor name belongs to (``...layers.N....``), or None."""
+    if name.startswith(_TEXT_LAYERS):  # (the text model's 500,000 names: cut, not searched)
+        number, dot, _ = name[len(_TEXT_LAYERS) :].partition(".")
+        if dot and number.isdecimal():  # (what ``\d+`` matches: Unicode's decimal digits)
+            return int(number)
     m = _LAYER.search(name)
     return int(m.group(1)) if m else None
 

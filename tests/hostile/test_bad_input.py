@@ -167,6 +167,10 @@ CASES = {
         _retype(EXP + "0.w2.weight_scale", "U8", (48, 4)),
         [LAYER2, EXP + "0.w2.weight_scale", "[48, 4]", "expected U8 [96, 2]"],
     ),
+    "the last expert's weight_packed of the wrong dtype": (  # (a stack is checked a column at a time)
+        _retype(EXP + "7.w3.weight_packed", "I8"),
+        [LAYER2, EXP + "7.w3.weight_packed", "I8", "expected U8"],
+    ),
     "a missing expert": (_missing_expert, [LAYER2, EXP + "5.w2.weight_packed", "missing"]),
     "index names a missing file": (_index_names_missing_file, ["model.safetensors.index.json", LAYER2]),
     "config lacks a required key": (_config_lacks_key, ["config.json", "kv_lora_rank"]),

@@ -14,16 +14,20 @@ from k3lab.pipeline.streams import job_memory
 BASE_RSS = 104 * 1024 * 1024
 
 
-def file_memory(tensors: list[Any], entries: list[TensorEntry]) -> int:
-    """Forecast peak RSS of the process converting these planned tensors (file 1 adds its
-    vocabulary later)."""
-    by_name = {e.name: e for e in entries}
-    jobs = [t.job([by_name[n] for n in t.sources]) for t in tensors]
+def file_memory(tensors: list[Any], entries: list[list[TensorEntry]]) -> int:
+    """Forecast peak RSS of the process converting these planned tensors, each with its source
+    entries (file 1 adds its vocabulary later)."""
+    jobs = [t.job(es) for t, es in zip(tensors, entries)]
     return BASE_RSS + job_memory(jobs)
 
 
 def vocab_memory(kvs: list[KV]) -> int:
     """What file 1's metadata costs while it is written (the strings and gguf-py's packed copy)."""
-    strings = sum(len(v) for kv in kvs if isinstance(kv.value, list) for v in kv.value if isinstance(v, str))
+    # (a GGUF array holds one type: the 163,840 token strings are summed at C speed)
+    strings = sum(sum(map(len, kv.value)) for kv in kvs if isinstance(kv.value, list) and _STRINGS(kv.value))
     items = sum(len(kv.value) for kv in kvs if isinstance(kv.value, list))
     return 3 * strings + 120 * items
+
+
+def _STRINGS(values: list) -> bool:  # noqa: N802 - a predicate read like a constant
+    return set(map(type, values)) == {str}

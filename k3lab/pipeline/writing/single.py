@@ -55,9 +55,9 @@ def plan_single(model: Model, cfg: Any, source: Source) -> list[PlannedTensor]:
     for bid in single.units(cfg):
         tags = single.unit_tags(cfg, bid)
         for rule in single.rules:
-            pt = plan_tensor(rule, cfg, source, bid, "auto", where, expected, tags, frozenset(), model)
-            if pt is not None:
-                planned.append(pt)
+            made = plan_tensor(rule, cfg, source, bid, "auto", where, expected, tags, frozenset(), model)
+            if made is not None:
+                planned.append(made[0])
     used = {n for pt in planned for n in pt.sources}
     unused = [n for n in names if n not in used]
     if unused:
