@@ -189,7 +189,7 @@ def _dd_seconds(tmp: Path, size: int, *flags: str) -> float:
     return seconds
 
 
-def _run_timed(cmd: list[str]) -> tuple[float, int, str]:
+def _run_timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int, str]:
     """Wall seconds, peak RSS (bytes) and stdout of a command, from /usr/bin/time."""
     import subprocess
     import tempfile
@@ -197,7 +197,11 @@ def _run_timed(cmd: list[str]) -> tuple[float, int, str]:
     with tempfile.NamedTemporaryFile("r") as tf:
         t = time.perf_counter()
         r = subprocess.run(
-            ["/usr/bin/time", "-f", "%M", "-o", tf.name, *cmd], check=True, capture_output=True, text=True
+            ["/usr/bin/time", "-f", "%M", "-o", tf.name, *cmd],
+            check=True,
+            capture_output=True,
+            text=True,
+            env=env,
         )
         seconds = time.perf_counter() - t
         return seconds, int(tf.read().split()[-1]) * 1024, r.stdout
