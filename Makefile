@@ -16,7 +16,7 @@ export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXA
   -DGGML_FMA=ON -DGGML_F16C=ON
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: demo test test-slow bench lint lab venv
+.PHONY: demo test test-slow bench lint lab venv docs
 venv:
 	@if [ -n "$(VENV)" ] && [ ! -x "$(PY)" ]; then python3 -m venv "$(VENV)"; fi
 
@@ -44,6 +44,14 @@ bench: venv
 
 lab: venv
 	k3lab lab
+
+# the generated reference pages, made again from the code (tests/unit/test_docs.py fails when one is stale)
+docs: venv
+	k3lab tensor-map > TENSOR_MAP.md
+	$(PY) -m k3lab.cli_reference > docs/reference/cli.md
+	$(PY) -m k3lab.metadata_reference text > docs/reference/metadata.md
+	$(PY) -m k3lab.metadata_reference mmproj > docs/reference/mmproj.md
+	$(PY) -m k3lab.state_reference > docs/reference/on-disk-state.md
 
 lint: venv
 	ruff check . && ruff format --check .

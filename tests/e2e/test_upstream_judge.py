@@ -8,9 +8,9 @@ set with the same value. Nothing of it is copied into k3lab.
 One step of upstream's is skipped: its vocabulary step identifies Kimi's pre-tokenizer by hashing the
 *real* vocabulary's output and loads Moonshot's remote tokenizer code, so it cannot read a synthetic
 vocabulary at all. k3lab's vocabulary is judged by llama.cpp's tokenizer against tiktoken instead
-(tests/test_tokenizer.py), so the tokenizer.* keys are left out here.
+(tests/unit/test_tokenizer.py), so the tokenizer.* keys are left out here.
 
-Run with: make test-slow (or pytest -m slow tests/test_upstream_judge.py).
+Run with: make test-slow (or pytest -m slow tests/e2e/test_upstream_judge.py).
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ def _docstrings() -> list[tuple[str, str]]:
 
 
 def test_docstrings_name_only_paths_and_modules_that_exist() -> None:
-    """A path (``k3lab/...py``, ``tests/...``) or a dotted module (``k3lab.pipeline.x``,
-    ``pipeline.x``) a docstring names is there: a moved module leaves no stale pointer behind."""
+    """A path (``k3lab/MODULE.py``, ``tests/FILE``) or a dotted module (``k3lab.pipeline.MODULE``,
+    ``pipeline.MODULE``) a docstring names is there: a moved module leaves no stale pointer behind."""
     dotted = {_name(p) for p in MODULES}
     missing = []
     for module, doc in _docstrings():

@@ -172,7 +172,7 @@ def test_the_chat_template_choice_is_printed_and_embedded(
 
 
 def test_file_1_carries_upstreams_general_keys(tiny_out: Path) -> None:
-    """As upstream's converter writes them for this checkpoint (tests/test_upstream_judge.py runs it)."""
+    """As upstream's converter writes them for this checkpoint (tests/e2e/test_upstream_judge.py runs it)."""
     r = gguf.GGUFReader(next(tiny_out.glob("*-00001-of-*.gguf")))
     assert r.fields["general.type"].contents() == "model"
     assert r.fields["general.size_label"].contents() == "8x1.9M"
