@@ -59,24 +59,6 @@ def test_the_cli_reference_is_what_the_parser_makes() -> None:
     )
 
 
-def test_the_readmes_local_recipe_runs_as_written_after_the_demo(tmp_path: Path) -> None:
-    """Every `k3lab` line of the README that works on the demo's folder, run verbatim (in a process of
-    its own, from a folder where `k3lab demo` ran), succeeds."""
-    import subprocess
-    import sys
-
-    text = (ROOT / "README.md").read_text()
-    lines = [ln.strip() for ln in text.splitlines() if ln.startswith("k3lab ") and "k3-demo/" in ln]
-    assert len(lines) >= 4, lines
-    k3 = [sys.executable, "-m", "k3lab.cli"]
-    assert subprocess.run([*k3, "demo"], cwd=tmp_path, capture_output=True, timeout=600).returncode == 0
-    for line in lines:
-        r = subprocess.run(
-            [*k3, *line.split()[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=600
-        )
-        assert r.returncode == 0, (line, r.stderr[-2000:])
-
-
 @pytest.mark.parametrize("page", ["text", "mmproj"])
 def test_the_metadata_references_are_what_the_code_writes(page: str) -> None:
     """docs/reference/metadata.md and mmproj.md regenerate byte-identical

@@ -1,0 +1,71 @@
+"""Every command the README and docs/ give, run as written: each ```bash block, in a process of its own,
+from a folder where `k3lab demo` ran (as a user would after `make demo`, at the repository's root), with
+a loopback Hub standing in for huggingface.co that serves the demo's checkpoint as moonshotai/Kimi-K3.
+A block that fails, or that leaves the Hub without what it says it publishes, fails the test. (The
+README's quick start is an `sh` block: CI runs `make test` itself, and `make demo` is the demo run here.)"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT
+from hub_server import HubServer
+
+TOKEN = "hf_docs_commands_0123456789"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
+
+
+def bash_blocks() -> list[tuple[str, str]]:
+    return [(page.relative_to(ROOT).as_posix(), b) for page in PAGES for b in BLOCK.findall(page.read_text())]
+
+
+def test_the_docs_give_their_commands_in_bash_blocks() -> None:
+    """The blocks this test runs are there: the README's local recipe and Hub recipes, converting's,
+    publishing's and the notebooks' (a page that moves its commands out of `bash` blocks must say so)."""
+    where = [page for page, _ in bash_blocks()]
+    assert where.count("README.md") == 2 and {
+        "docs/converting.md",
+        "docs/publishing.md",
+        "docs/notebooks.md",
+    } <= set(where), where
+
+
+def test_every_bash_block_of_the_readme_and_docs_runs_as_written_after_the_demo(tmp_path: Path) -> None:
+    bin_dir = str(Path(sys.executable).parent)
+    shutil.copytree(ROOT / "notebooks", tmp_path / "notebooks")  # (the blocks run at the repository's root)
+    demo = subprocess.run(
+        [sys.executable, "-m", "k3lab.cli", "demo"], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert demo.returncode == 0, demo.stderr[-2000:]
+    with HubServer(tmp_path / "k3-demo" / "src", token=TOKEN) as hub:
+        env = hub.client_env(tmp_path, TOKEN) | {"PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
+        for page, block in bash_blocks():
+            log = tmp_path / "block.log"
+            with log.open("w") as said:  # (a file, not a pipe: a background job keeps no reader waiting)
+                run = subprocess.Popen(
+                    ["bash", "-e", "-c", block],
+                    cwd=tmp_path,
+                    env=env,
+                    stdout=said,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # (its background jobs, a Dask cluster, go with it)
+                )
+                try:
+                    run.wait(timeout=900)
+                finally:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(run.pid, signal.SIGKILL)
+            assert run.returncode == 0, f"{page}:\n{block}\n{log.read_text()[-3000:]}"
+        published = {repo for repo in hub.repos if repo.startswith("k3lab-demo/")}
+    assert published == {"k3lab-demo/Kimi-K3-GGUF", "k3lab-demo/Kimi-K3-GGUF-local"}, published
+    for folder in ("k3-demo/recipe", "gguf/Kimi-K3", "gguf/Kimi-K3-local"):
+        assert (tmp_path / folder / "MANIFEST.json").is_file(), folder
+    assert (tmp_path / "02-on-the-hub.ipynb").is_file()
