@@ -11,6 +11,8 @@ import tempfile
 from pathlib import Path
 
 from k3lab import request
+from k3lab.pipeline.state.names import PLAN_NAME, STATE_DIR
+from k3lab.pipeline.state.record import MANIFEST_NAME
 from k3lab.request import Request
 
 SPLIT = "1M"  # the tiny model as a split set of a few files (its default is one file)
@@ -20,7 +22,7 @@ def _tree(out: Path) -> list[str]:
     lines = []
     for path in sorted(out.rglob("*")):
         name = path.relative_to(out).as_posix() + ("/" if path.is_dir() else "")
-        if path.is_file() and path.parent.name == ".k3lab":
+        if path.is_file() and path.parent.name == STATE_DIR:
             first = path.read_bytes().split(b"\n", 1)[0].decode(errors="replace")
             kind = (
                 first.split()[1] if first.startswith("k3lab-state/") else "the run's lock: PID and run token"
@@ -30,7 +32,7 @@ def _tree(out: Path) -> list[str]:
             )
         elif path.suffix == ".gguf":
             note = f"{path.stat().st_size:,} bytes"
-        elif path.name == "MANIFEST.json":
+        elif path.name == MANIFEST_NAME:
             note = "every record merged (plain JSON)"
         else:
             note = ""
@@ -57,8 +59,8 @@ def markdown() -> str:
         request.vision(req, str(out / "mmproj-Kimi-K3-BF16.gguf"))
         request.tokenizer(req, str(out / "tokenizer-Kimi-K3.gguf"))
         tree = _tree(out)
-        manifest = json.loads((out / "MANIFEST.json").read_text())
-        plan_text = (out / ".k3lab" / "plan.json").read_text().split("\n", 1)[1]
+        manifest = json.loads((out / MANIFEST_NAME).read_text())
+        plan_text = (out / STATE_DIR / PLAN_NAME).read_text().split("\n", 1)[1]
         plan_keys = sorted(json.loads(plan_text))
     record = json.dumps(_shown(manifest["files"][0]), indent=1)
     lines = [

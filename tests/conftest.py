@@ -19,6 +19,14 @@ def tiny_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def full_src(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    """``synth --preset full`` (the real 96 headers, data as holes) and what synthesize returned, written
+    once per test session. Treat as read-only."""
+    out = tmp_path_factory.mktemp("full") / "Kimi-K3"
+    return out, synthesize("full", out)
+
+
 # one layer per output file: tiny's 8 layers and its output tensors as 9 files, the split set the
 # real model gives by default (tiny fits in one file, its own default); most tests of the machinery
 # (--jobs, --files, resume, Dask, publishing) want several files

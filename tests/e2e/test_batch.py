@@ -46,6 +46,7 @@ def _batch_cmd(src: Path, out: Path, runs: Path, run_id: str) -> list[str]:
     return [sys.executable, "-m", "k3lab.cli", *_batch_args(src, out, runs, run_id)]
 
 
+@pytest.mark.slow  # (the batch's Dask path runs by default in the looking notebooks' batch below)
 def test_batch_on_a_local_cluster(tiny_src: Path, tiny_out: Path, tmp_path: Path, capsys) -> None:
     out, runs = tmp_path / "out", tmp_path / "runs"
     code = main(_batch_args(tiny_src, out, runs, "first"))

@@ -161,7 +161,17 @@ KERNEL = (
 )
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb")))
+# (01 and 05 by default; the others in `make test-slow`: each notebook runs headless by default too)
+BY_DEFAULT = {"01-tensor-layouts.ipynb", "05-verify-a-run.ipynb"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        n if n in BY_DEFAULT else pytest.param(n, marks=pytest.mark.slow)
+        for n in sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+    ],
+)
 def test_a_person_runs_and_saves_each_notebook(lab, browser, name: str) -> None:
     from selenium.webdriver.support.ui import Select
 

@@ -68,4 +68,4 @@ def test_every_bash_block_of_the_readme_and_docs_runs_as_written_after_the_demo(
     assert published == {"k3lab-demo/Kimi-K3-GGUF", "k3lab-demo/Kimi-K3-GGUF-local"}, published
     for folder in ("k3-demo/recipe", "gguf/Kimi-K3", "gguf/Kimi-K3-local"):
         assert (tmp_path / folder / "MANIFEST.json").is_file(), folder
-    assert (tmp_path / "02-on-the-hub.ipynb").is_file()
+    assert (tmp_path / "02-on-the-hub.ipynb").is_file() and (tmp_path / "k3-meta" / "config.json").is_file()

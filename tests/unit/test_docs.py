@@ -157,3 +157,18 @@ def test_no_docstring_or_page_names_a_file_or_module_that_does_not_exist() -> No
             if not _resolves(dotted):
                 wrong.append(f"{where}: {dotted}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_readme_says_how_many_tests_there_are() -> None:
+    """The README's test count is pytest's own: the default run's, and the slow tests beside it."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    counts = re.search(r"(\d+)/(\d+) tests collected \((\d+) deselected\)", done.stdout)
+    assert counts, done.stdout[-2000:] + done.stderr[-2000:]
+    said = f"({counts[1]} tests; {counts[3]} more marked `slow`)"
+    assert said in " ".join((ROOT / "README.md").read_text().split()), f"README.md should say {said}"

@@ -199,17 +199,17 @@ def test_shipped_vocabulary_is_what_the_trainer_makes() -> None:
     assert format_tiktoken(train(corpus(), TINY_RANKS)) == shipped_tiktoken()
 
 
-def test_full_preset_is_the_real_96_shard_plan(tmp_path: Path) -> None:
-    result = synthesize("full", tmp_path / "full")
-    index = json.loads((tmp_path / "full" / "model.safetensors.index.json").read_text())
+def test_full_preset_is_the_real_96_shard_plan(full_src: tuple[Path, object]) -> None:
+    full, result = full_src
+    index = json.loads((full / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) == 96 and result.n_shards == 96
-    with safe_open(str(tmp_path / "full" / files[5]), framework="numpy") as f:  # layer 5
+    with safe_open(str(full / files[5]), framework="numpy") as f:  # layer 5
         names = list(f.keys())
         assert len([n for n in names if ".experts." in n]) == 896 * 6
         sl = f.get_slice(f"{LM}layers.5.block_sparse_moe.experts.895.w2.weight_packed")
         assert (sl.get_dtype(), sl.get_shape()) == ("U8", [3584, 1536])
-    size = (tmp_path / "full" / files[5]).stat().st_size
+    size = (full / files[5]).stat().st_size
     assert size > 15e9  # the real layer size, held as a hole
     assert result.disk_bytes < 200e6
     assert abs(index["metadata"]["total_size"] - 1_560_860_324_864) / 1_560_860_324_864 < 1e-4

@@ -98,7 +98,7 @@ def check_stack(
 
 
 _DTYPE_SHAPE = operator.itemgetter(1, 2)  # (a TensorEntry's dtype and shape)
-_UNIT_NAME = operator.itemgetter(1)  # (of a (unit, name) pair)
+_PAIR_UNIT, _PAIR_NAME = operator.itemgetter(0), operator.itemgetter(1)  # (of a (unit, name) pair)
 _NAME, _NBYTES, _FILE = map(operator.itemgetter, (0, 4, 5))  # (a TensorEntry's fields)
 
 
@@ -234,8 +234,8 @@ def plan_and_kvs(
         model.check_source(cfg, weight_map)
     by_unit: dict[int | None, list[str]] = {}
     # (a unit's names mostly follow each other in the index: grouped a run at a time, at C speed)
-    for unit, run in itertools.groupby(zip(map(model.unit_of, text_names), text_names), key=_NAME):
-        by_unit.setdefault(unit, []).extend(map(_UNIT_NAME, run))
+    for unit, run in itertools.groupby(zip(map(model.unit_of, text_names), text_names), key=_PAIR_UNIT):
+        by_unit.setdefault(unit, []).extend(map(_PAIR_NAME, run))
     bad = sorted(b for b in by_unit if b is not None and not 0 <= b < cfg.n_layer)
     if bad:
         raise PlanError(
@@ -249,17 +249,18 @@ def plan_and_kvs(
     last_unit = {file: k for k, home in enumerate(homes) for file in home}
     used: set[str] = set()
     described: dict[str, SourceFile] = {}
-    planned: list[tuple[int | None, list[PlannedTensor], int]] = []  # (unit, tensors, peak memory)
-    reads: dict[int, list[str]] = {}  # id(planned tensor) -> the source files it reads, in order
+    # (unit, its tensors, the source files each reads in order, peak memory)
+    planned: list[tuple[int | None, list[PlannedTensor], list[list[str]], int]] = []
     for k, bid in enumerate(units):
         where = next(iter(homes[k])) if len(homes[k]) == 1 else str(source.index_path)
         tensors, entries = _plan_unit(model, cfg, source, bid, outtype, config_tags, where)
-        for t, es in zip(tensors, entries):
+        reads = []
+        for es in entries:
             used.update(map(_NAME, es))
             paths = dict.fromkeys(map(_FILE, es))  # (one, but for a stack spread over files)
             names = map(_NAME, es) if len(paths) > 1 else [es[0].name]
-            reads[id(t)] = list(dict.fromkeys(map(weight_map.__getitem__, names)))
-        planned.append((bid, tensors, file_memory(tensors, entries)))
+            reads.append(list(dict.fromkeys(map(weight_map.__getitem__, names))))
+        planned.append((bid, tensors, reads, file_memory(tensors, entries)))
         for file in [f for f, last in last_unit.items() if last == k]:
             described[file] = source.source_file(file)  # (while its header is held: read once)
             source.release_header(file)
@@ -271,21 +272,20 @@ def plan_and_kvs(
             f"{weight_map[unused[0]]}: tensor {unused[0]} is not used by any rule (k3lab never drops "
             "a tensor silently)"
         )
-    _check_outtype(outtype, [t for _, ts, _ in planned for t in ts], source)
-    groups = group_units([(sum(t.nbytes for t in ts), len(ts)) for _, ts, _ in planned], split)
+    _check_outtype(outtype, [t for _, ts, _, _ in planned for t in ts], source)
+    groups = group_units([(sum(t.nbytes for t in ts), len(ts)) for _, ts, _, _ in planned], split)
     files: list[PlannedFile] = []
     for group in groups:
         names: list[str] = []  # the source files, in the order the file's tensors first need them
         tensors = []
-        for t in (t for k in group for t in planned[k][1]):
-            mine = reads[id(t)]
+        for t, mine in ((t, r) for k in group for t, r in zip(planned[k][1], planned[k][2])):
             names += [f for f in mine if f not in names]
             tensors.append(dataclasses.replace(t, files=tuple(names.index(f) for f in mine)))
         sources = [described[f] if f in described else source.source_file(f) for f in names]
         for f in names:
             source.release_header(f)
         pf = PlannedFile(len(files) + 1, "", sources, tensors, [planned[k][0] for k in group])
-        pf.memory = max(planned[k][2] for k in group)
+        pf.memory = max(planned[k][3] for k in group)
         files.append(pf)
     plan = Plan(model, cfg, outtype, basename, files, split=split)
     kvs = plan_kvs(plan, source.meta_dir, chat_template)
