@@ -116,7 +116,9 @@ def _layer_row(experts: int) -> list[tuple[str, str, str]]:
     with tempfile.TemporaryDirectory(dir=".") as tmp:
         src, out = Path(tmp) / "src", Path(tmp) / "out"
         synthesize("layer", src, experts=experts)
-        shard = src / "model-00002-of-00005.safetensors"
+        shard = next(
+            src.glob("model-00002-of-*.safetensors")
+        )  # (layer 1: five digits over six, as Moonshot names them)
         size = shard.stat().st_size
         runs = {"k3lab": [], "nohash": [], "cp": [], "cp+sync": []}
         rss = 0
