@@ -46,7 +46,12 @@ def test_every_bash_block_of_the_readme_and_docs_runs_as_written_after_the_demo(
     )
     assert demo.returncode == 0, demo.stderr[-2000:]
     with HubServer(tmp_path / "k3-demo" / "src", token=TOKEN) as hub:
-        env = hub.client_env(tmp_path, TOKEN) | {"PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
+        env = hub.client_env(tmp_path, TOKEN) | {
+            "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
+            "K3LAB_HOME": str(
+                tmp_path
+            ),  # (a notebook's relative paths start here: this folder plays the checkout)
+        }
         for page, block in bash_blocks():
             log = tmp_path / "block.log"
             with log.open("w") as said:  # (a file, not a pipe: a background job keeps no reader waiting)
