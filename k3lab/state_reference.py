@@ -18,26 +18,30 @@ from k3lab.request import Request
 SPLIT = "1M"  # the tiny model as a split set of a few files (its default is one file)
 
 
+KINDS = {  # a state file's first line names its kind (``k3lab-state/1 KIND SHA256``)
+    "plan": "state file: the plan",
+    "kvs": "state file: file 1's metadata",
+    "record": "state file: a record",
+}
+
+
+def _note(path: Path) -> str:
+    """What a name in the folder is, read from the file itself."""
+    if path.is_file() and path.parent.name == STATE_DIR:
+        first = path.read_bytes().split(b"\n", 1)[0].decode(errors="replace").split()
+        if first and first[0].startswith("k3lab-state/") and len(first) > 1:
+            return KINDS.get(first[1], first[1])
+        return "the run's lock: PID and run token"
+    if path.suffix == ".gguf":
+        return f"{path.stat().st_size:,} bytes"
+    return "every record merged (plain JSON)" if path.name == MANIFEST_NAME else ""
+
+
 def _tree(out: Path) -> list[str]:
-    lines = []
-    for path in sorted(out.rglob("*")):
-        name = path.relative_to(out).as_posix() + ("/" if path.is_dir() else "")
-        if path.is_file() and path.parent.name == STATE_DIR:
-            first = path.read_bytes().split(b"\n", 1)[0].decode(errors="replace")
-            kind = (
-                first.split()[1] if first.startswith("k3lab-state/") else "the run's lock: PID and run token"
-            )
-            note = {"plan": "state file: the plan", "kvs": "state file: file 1's metadata"}.get(
-                kind, "state file: a record" if kind == "record" else kind
-            )
-        elif path.suffix == ".gguf":
-            note = f"{path.stat().st_size:,} bytes"
-        elif path.name == MANIFEST_NAME:
-            note = "every record merged (plain JSON)"
-        else:
-            note = ""
-        lines.append(f"{name:<44} {note}".rstrip())
-    return lines
+    return [
+        f"{p.relative_to(out).as_posix() + ('/' if p.is_dir() else ''):<44} {_note(p)}".rstrip()
+        for p in sorted(out.rglob("*"))
+    ]
 
 
 def _shown(record: dict) -> dict:

@@ -128,13 +128,14 @@ def test_json_crafted_against_a_pattern_is_read_in_linear_time(tiny_src: Path, t
 @given(st.text(alphabet='{}[],"\\ab:', max_size=60), st.sampled_from([1 << 20, 5, 1]))
 def test_json_shape_counts_as_a_plain_scan_does(text: str, step: int) -> None:
     """The linear scan against a character-by-character reading of the same rule: a quote after an
-    odd run of backslashes is not one (inside a string that is JSON's escape; outside one a backslash
-    is invalid JSON, which json.loads refuses at that byte, so the counts up to it are exact). Scanned
-    in steps of ``step`` bytes too: a string, a run of backslashes or a nesting carried from step to
-    step, through both of the scan's ways (a step with no backslash takes the quick one)."""
+        odd run of backslashes is not one (inside a string that is JSON's escape; outside one a backslash
+        is invalid JSON, which json.loads refuses at that byte, so the counts up to it are exact). Scanned
+        in steps of ``step`` bytes too: a string, a run of backslashes or a nesting carried from step to
+        step, through both of the scan's ways (text with no backslash is first cut to its structural bytes,
+    and a step with no backslash takes the quick one)."""
     import k3lab.formats.files as files
 
-    depth = top = commas = objects = 0
+    depth = top = commas = objects = colons = 0
     inside = False
     backslashes = 0
     for ch in text:
@@ -148,11 +149,13 @@ def test_json_shape_counts_as_a_plain_scan_does(text: str, step: int) -> None:
             depth -= 1
         elif not inside and ch == ",":
             commas += 1
+        elif not inside and ch == ":":
+            colons += 1
         backslashes = backslashes + 1 if ch == "\\" else 0
     real_step = files.SHAPE_STEP
     files.SHAPE_STEP = step
     try:
-        assert json_shape(text.encode()) == (top, commas, objects)
+        assert files.json_counts(text.encode()) == (top, commas, objects, colons)
     finally:
         files.SHAPE_STEP = real_step
 

@@ -238,3 +238,20 @@ def test_manifest_values_verify_or_fail_in_a_few_lines(
     code, lines = _bounded(capsys, ["verify", str(out), "--quiet"], (0, 1))
     assert len(lines) <= 6, lines
     shutil.rmtree(out)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(
+    head=st.sampled_from(["", "language_model.model.layers.", "language_model.model.", "vision_tower."]),
+    rest=st.text(alphabet="layers.0123456789\u0663x", max_size=24),
+)
+@example(head="language_model.model.layers.", rest="x.layers.3.a")
+@example(head="language_model.model.layers.", rest="\u0663.a")
+def test_a_layer_number_cut_from_a_text_name_is_the_one_the_pattern_finds(head: str, rest: str) -> None:
+    """``layer_of``'s quick cut of the text model's names gives what its pattern (the first
+    ``layers.N.`` at the start or after a dot) gives, for any name."""
+    from k3lab.kimi_k3.rules import _LAYER, layer_of
+
+    name = head + rest
+    m = _LAYER.search(name)
+    assert layer_of(name) == (int(m.group(1)) if m else None)

@@ -24,10 +24,12 @@ def file_memory(tensors: list[Any], entries: list[list[TensorEntry]]) -> int:
 def vocab_memory(kvs: list[KV]) -> int:
     """What file 1's metadata costs while it is written (the strings and gguf-py's packed copy)."""
     # (a GGUF array holds one type: the 163,840 token strings are summed at C speed)
-    strings = sum(sum(map(len, kv.value)) for kv in kvs if isinstance(kv.value, list) and _STRINGS(kv.value))
+    strings = sum(
+        sum(map(len, kv.value)) for kv in kvs if isinstance(kv.value, list) and _all_strings(kv.value)
+    )
     items = sum(len(kv.value) for kv in kvs if isinstance(kv.value, list))
     return 3 * strings + 120 * items
 
 
-def _STRINGS(values: list) -> bool:  # noqa: N802 - a predicate read like a constant
+def _all_strings(values: list) -> bool:
     return set(map(type, values)) == {str}
