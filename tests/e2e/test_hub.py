@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -49,12 +50,25 @@ def _convert(
 
 
 class ShardCounter(threading.Thread):
-    """Polls the scratch folder: the most source shards (finished or partial) seen at once."""
+    """Polls the scratch folder: the most source shards (finished or partial) seen at once; and every
+    process's open files: the most deleted downloads still open at once (a descriptor left open on a
+    deleted shard keeps its 16 GB on the disk until the process ends)."""
 
     def __init__(self, scratch: Path):
         super().__init__(daemon=True)
         self.scratch, self.peak, self.stop = scratch, 0, threading.Event()
         self.looks = 0  # completed looks: the test checks the counter kept watching to the end
+        self.held_deleted = 0
+
+    def _deleted_but_open(self) -> int:
+        n = 0
+        for fd in Path("/proc").glob("[0-9]*/fd/*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:  # (gone meanwhile, or not ours to read)
+                continue
+            n += target.startswith(str(self.scratch)) and target.endswith(".safetensors (deleted)")
+        return n
 
     def run(self) -> None:
         while not self.stop.wait(0.002):
@@ -67,6 +81,8 @@ class ShardCounter(threading.Thread):
             except FileNotFoundError:  # a folder vanished while we walked it: look again
                 continue
             self.peak = max(self.peak, n)
+            if self.looks % 20 == 0:
+                self.held_deleted = max(self.held_deleted, self._deleted_but_open())
             self.looks += 1
 
 
@@ -86,6 +102,7 @@ def test_streaming_with_faults_gives_the_local_bytes(tiny_src: Path, tiny_out: P
         assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
     assert 1 <= counter.peak <= 2, counter.peak
     assert not list((tmp_path / "scratch").glob("*.safetensors"))  # deleted after conversion
+    assert counter.held_deleted == 0  # and closed before
     # the faults really happened, and downloads resumed with ranged requests
     assert len(hub.cut) >= 3
     resumed = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from k3lab.formats.direct_io import READ_HELD
 from k3lab.formats.gguf_stream import KV
 from k3lab.formats.safetensors import TensorEntry
 from k3lab.pipeline.streams import job_memory
@@ -18,7 +19,8 @@ def file_memory(tensors: list[Any], entries: list[list[TensorEntry]]) -> int:
     """Forecast peak RSS of the process converting these planned tensors, each with its source
     entries (file 1 adds its vocabulary later)."""
     jobs = [t.job(es) for t, es in zip(tensors, entries)]
-    return BASE_RSS + job_memory(jobs)
+    # (and the direct reads' buffers no stream holds: read ahead, or free for the next read)
+    return BASE_RSS + READ_HELD + job_memory(jobs)
 
 
 def vocab_memory(kvs: list[KV]) -> int:

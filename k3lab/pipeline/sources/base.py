@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from k3lab.errors import K3LabError
+from k3lab.formats.direct_io import DirectFile, ReadBuffers, in_page_cache
 from k3lab.formats.files import open_regular
 from k3lab.formats.safetensors import (
     INDEX_NAME,
@@ -76,6 +77,7 @@ class Source(abc.ABC):
     inputs are fingerprinted."""
 
     meta_dir: Path
+    DIRECT_READS = False  # O_DIRECT for a file not in the page cache (a download just written is)
 
     def __init__(self) -> None:
         self._index: tuple[Path | str, dict[str, str]] | None = None
@@ -85,6 +87,8 @@ class Source(abc.ABC):
         self._fds: dict[str, int] = {}
         self._holds: dict[str, int] = {}  # file -> acquires not released yet
         self._mapped: dict[int, collections.deque] = {}  # fd -> ranges of its latest pieces
+        self._direct: dict[int, DirectFile | None] = {}  # fd -> its direct reads (None: mapped)
+        self._buffers = ReadBuffers()
         self._acquired: dict[str, dict[str, TensorEntry]] = {}  # shards read whole by ``array``
         self._lock = threading.Lock()
 
@@ -246,24 +250,36 @@ class Source(abc.ABC):
                 self._holds[file] = left
                 return False
             self._holds.pop(file, None)
-            fd = self._fds.pop(file, None)
+            fd = self._fds.pop(str(self.local_path(file)), None)  # (keyed as entries name files)
             if fd is not None:
                 self._mapped.pop(fd, None)
+            direct = self._direct.pop(fd, None) if fd is not None else None
         self._acquired.pop(file, None)
+        if direct is not None:
+            direct.close()  # (its read ahead stops before the descriptor is closed and reused)
         if fd is not None:
             os.close(fd)
         return True
 
     def map(self, entry: TensorEntry, offset: int, nbytes: int) -> np.ndarray:
-        """``nbytes`` of a tensor from byte ``offset`` of its data, as a read-only view of the file's
-        pages (no copy). The mapping lives as long as the array: map bounded pieces and drop them, and
-        RSS stays bounded (mapped pages count towards it)."""
+        """``nbytes`` of a tensor from byte ``offset`` of its data, read-only: read with O_DIRECT into
+        a buffer (``DIRECT_READS``), else a view of the file's mapped pages (no copy). Either lives as
+        long as the array: read bounded pieces and drop them, and RSS stays bounded."""
         if offset + nbytes > entry.nbytes:
             raise SourceError(f"{entry.file}: tensor {entry.name}: read past its {entry.nbytes} bytes")
         if nbytes == 0:
             return np.empty(0, dtype=np.uint8)
         fd = self._fd(entry.file)
         start = entry.start + offset
+        direct = self._direct.get(fd)
+        try:
+            data = direct.read(start, nbytes) if direct is not None else None
+        except OSError as e:
+            raise SourceError(
+                f"{entry.file}: tensor {entry.name}: cannot read bytes {start}+{nbytes} ({e})"
+            ) from None
+        if data is not None:
+            return data
         base = start - start % mmap.ALLOCATIONGRANULARITY
         try:
             # populated at once: one call maps the piece's pages instead of a fault per 4 KiB page
@@ -277,16 +293,20 @@ class Source(abc.ABC):
         return np.frombuffer(m, dtype=np.uint8, count=nbytes, offset=start - base)
 
     def will_need(self, entry: TensorEntry, offset: int, nbytes: int) -> None:
-        """A hint: those bytes are mapped next; the kernel starts reading them from disk now, while
-        the current piece is repacked and hashed (a piece's own mapping reads it synchronously)."""
-        if nbytes and hasattr(os, "posix_fadvise") and offset + nbytes <= entry.nbytes:
-            os.posix_fadvise(self._fd(entry.file), entry.start + offset, nbytes, os.POSIX_FADV_WILLNEED)
+        """A hint: those bytes are read next; the disk starts on them now, while the current piece is
+        repacked and hashed (read ahead into a buffer, or by the kernel into the page cache)."""
+        if not nbytes or offset + nbytes > entry.nbytes:
+            return
+        fd = self._fd(entry.file)
+        direct = self._direct.get(fd)
+        if direct is not None and not direct.refused:
+            direct.ahead(entry.start + offset, nbytes)
+        elif hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, entry.start + offset, nbytes, os.POSIX_FADV_WILLNEED)
 
     def _drop_behind(self, fd: int, base: int, length: int) -> None:
-        """Drop from the page cache the pages of pieces mapped a while ago (read once: a conversion
-        of 1.4 TiB has no use for them, and a full page cache makes every new page cost a reclaim).
-        Only exact ranges of earlier pieces, and only once no stream can still hold them (the kernel
-        keeps mapped pages anyway)."""
+        """Drop from the page cache the pages of pieces mapped a while ago (read once; a full page
+        cache makes every new page cost a reclaim): exact ranges no stream can still hold."""
         with self._lock:
             behind = self._mapped.setdefault(fd, collections.deque())
             behind.append((base, length))
@@ -300,6 +320,8 @@ class Source(abc.ABC):
             if fd is None:
                 fd, _ = open_regular(file, "safetensors file")
                 self._fds[file] = fd
+                direct = self.DIRECT_READS and not in_page_cache(fd)
+                self._direct[fd] = DirectFile.open(fd, self._buffers) if direct else None
         return fd
 
     def warm(self, names: list[str]) -> None:
@@ -370,10 +392,3 @@ def _row_range(e: TensorEntry, start: int, stop: int | None) -> tuple[int, int]:
     start = min(max(start, 0), stop)
     row = e.nbytes // rows if rows else 0
     return start * row, stop * row
-
-
-def _row_shape(e: TensorEntry, start: int, stop: int | None) -> tuple[int, ...]:
-    if not e.shape:
-        return ()
-    stop = e.shape[0] if stop is None else min(stop, e.shape[0])
-    return (stop - min(max(start, 0), stop), *e.shape[1:])

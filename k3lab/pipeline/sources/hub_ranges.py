@@ -14,7 +14,7 @@ from k3lab.formats.safetensors import MAX_HEADER, NUMPY_DTYPE, TensorEntry, pars
 from k3lab.pipeline.hub import transport
 from k3lab.pipeline.hub.ranges import Check, FileIdentity
 from k3lab.pipeline.hub.retry import with_retries
-from k3lab.pipeline.sources.base import SourceError, _row_range, _row_shape
+from k3lab.pipeline.sources.base import SourceError, _row_range
 
 WARM_THREADS = 8  # ranged reads in flight at once when a view asks for many tensors
 WINDOW = 16 << 20  # a ranged read of a tensor reads this much of it at once (bounded memory)
@@ -116,3 +116,10 @@ class RangedReads:
         # exactly the header: its length, then its JSON (a range that does not parse is fetched again)
         head = bytes(self.cached(file, 0, 8 + n, parses))
         return head[8 : 8 + n], size
+
+
+def _row_shape(e: TensorEntry, start: int, stop: int | None) -> tuple[int, ...]:
+    if not e.shape:
+        return ()
+    stop = e.shape[0] if stop is None else min(stop, e.shape[0])
+    return (stop - min(max(start, 0), stop), *e.shape[1:])

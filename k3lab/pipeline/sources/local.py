@@ -16,6 +16,8 @@ def open_source(spec: SourceSpec) -> Source:
 class LocalSource(Source):
     """A checkpoint in a local folder (the index and metadata may live in a separate ``meta`` folder)."""
 
+    DIRECT_READS = True
+
     def __init__(self, src_dir: str | Path, meta_dir: str | Path | None = None):
         super().__init__()
         self.src_dir = Path(src_dir)
