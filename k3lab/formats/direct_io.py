@@ -4,12 +4,11 @@ same bytes, and a conversion of 1.4 TiB has no use for its input or output in th
 O_DIRECT wants file offsets, lengths and memory aligned to the disk's block. ``DirectTail`` keeps
 that promise for a stream of arbitrary pieces written one after another, and lets a producer make a
 piece right where it will be sent from (``aligned`` memory, at the piece's offset within its first
-block); ``DirectFile`` reads any range from the blocks around it into reused buffers, the next one
-ahead on a thread. Nothing here knows GGUF or safetensors."""
+block); ``FileReads`` reads any range from the blocks around it into reused buffers, the next one
+ahead on a thread (plain reads where the page cache holds the file). Nothing here knows GGUF or safetensors."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import mmap
@@ -133,8 +132,8 @@ STALE_READS = 8  # a range read ahead and not asked for within this many reads i
 
 def in_page_cache(fd: int, samples: int = 4) -> bool:
     """Whether the file's pages are in the page cache, sampled at ``samples`` places of its second
-    half (its header is read by other means): a file just written or read is mapped from there, a
-    file on disk only is read with O_DIRECT. A read that must not wait asks the cache alone."""
+    half (its header is read by other means): a file just written or read is read from there, a file
+    on disk only with O_DIRECT. A read that must not wait asks the cache alone."""
     nowait = getattr(os, "RWF_NOWAIT", None)
     size = os.fstat(fd).st_size
     if nowait is None or size == 0:
@@ -157,8 +156,8 @@ class ShortFile(OSError):
 
 
 class ReadBuffers:
-    """Aligned buffers (anonymous maps: page-aligned, their pages made once) lent to direct reads and
-    taken back once nothing uses them; shared by all the files of one source. It also keeps the
+    """Aligned buffers (anonymous maps: page-aligned, their pages made once) lent to reads and taken
+    back once nothing uses them; shared by all the files of one source. It also keeps the
     account of bytes read ahead, so that ahead and free together stay within ``READ_HELD``."""
 
     def __init__(self) -> None:
@@ -202,45 +201,39 @@ class ReadBuffers:
             self.ahead -= nbytes
 
 
-class DirectFile:
-    """Byte ranges of one open file read with O_DIRECT into ``ReadBuffers``. ``ahead`` starts a read
-    on a thread of its own (the next piece, while the caller works on this one); ``read`` takes the
-    range from a read ahead that holds it, or reads it now. Where the filesystem refuses O_DIRECT
-    (tmpfs), ``open`` gives None, and a read it refuses later gives None: the caller maps instead."""
+class FileReads:
+    """Byte ranges of one open file read into ``ReadBuffers``: with O_DIRECT when ``direct`` (a file
+    the page cache does not hold: from the disk, nothing cached), else plain reads (copied from the
+    page cache, where a file just written or read is). Never mapped: a file that shrinks under a
+    mapping kills the process (SIGBUS); a read says where the file ends. ``ahead`` starts a read on
+    a thread of its own (the next piece, while the caller works on this one); ``read`` takes the
+    range from a read ahead that holds it, or reads it now. The file's descriptor is this object's:
+    ``close`` stops its thread, then closes it."""
 
     BLOCK = 4096
 
-    def __init__(self, fd: int, buffers: ReadBuffers):
+    def __init__(self, fd: int, buffers: ReadBuffers, direct: bool):
         self.fd, self.buffers = fd, buffers
-        self.refused = False
+        self.direct = direct and _set_direct(fd, True)
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: dict[tuple[int, int], tuple[Future, int, int]] = {}  # range -> (read, bytes, asked at)
         self._reads = 0
         self._lock = threading.Lock()
 
-    @classmethod
-    def open(cls, fd: int, buffers: ReadBuffers) -> DirectFile | None:
-        flag = getattr(os, "O_DIRECT", 0)
-        if not flag:
-            return None
-        try:
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | flag)
-        except OSError:
-            return None
-        return cls(fd, buffers)
-
-    def _span(self, start: int, nbytes: int) -> tuple[int, int]:
-        base = start - start % self.BLOCK
-        return base, -(-(start + nbytes) // self.BLOCK) * self.BLOCK
-
     def _read_now(self, start: int, nbytes: int) -> np.ndarray:
-        """Bytes ``[start, start + nbytes)`` of the file, from a buffer read from block boundaries."""
-        base, stop = self._span(start, nbytes)
+        """Bytes ``[start, start + nbytes)`` of the file, from a buffer read from block boundaries
+        (what O_DIRECT asks; a plain read of a few bytes more costs nothing)."""
+        base = start - start % self.BLOCK
+        stop = -(-(start + nbytes) // self.BLOCK) * self.BLOCK
         buf = self.buffers.take(stop - base)
         got, need = 0, start + nbytes - base
         with memoryview(buf) as whole:
             while got < need:
-                n = os.preadv(self.fd, [whole[got : stop - base]], base + got)
+                try:
+                    n = os.preadv(self.fd, [whole[got : stop - base]], base + got)
+                except BaseException:
+                    self.buffers.give(buf)
+                    raise
                 if n <= 0 or (n % self.BLOCK and got + n < need):
                     self.buffers.give(buf)
                     raise ShortFile(
@@ -252,7 +245,7 @@ class DirectFile:
     def ahead(self, start: int, nbytes: int) -> None:
         """A hint: ``[start, start + nbytes)`` is read next. Read now on the file's thread, unless the
         bytes held ahead would pass ``READ_AHEAD`` or a read ahead already holds them."""
-        if self.refused or nbytes <= 0:
+        if nbytes <= 0:
             return
         with self._lock:
             if any(s <= start and start + nbytes <= e for s, e in self._ahead):
@@ -264,10 +257,8 @@ class DirectFile:
             read = self._pool.submit(self._read_now, start, nbytes)
             self._ahead[(start, start + nbytes)] = (read, nbytes, self._reads)
 
-    def read(self, start: int, nbytes: int) -> np.ndarray | None:
-        """The bytes, read-only (None: this filesystem refuses O_DIRECT reads; map them instead)."""
-        if self.refused:
-            return None
+    def read(self, start: int, nbytes: int) -> np.ndarray:
+        """The bytes, read-only."""
         end = start + nbytes
         with self._lock:
             self._reads += 1
@@ -279,26 +270,38 @@ class DirectFile:
                     del self._ahead[r]
                     self.buffers.unreserve(n)
         try:
-            if pending is None:
-                return self._read_now(start, nbytes)
-            return pending.result()[start - held[0] : end - held[0]]
+            if pending is not None:
+                return pending.result()[start - held[0] : end - held[0]]
+            return self._read_now(start, nbytes)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
-            self._refuse()
-            return None
-
-    def _refuse(self) -> None:
-        """The filesystem took the flag but refuses the reads (a block larger than ``BLOCK``)."""
-        self.refused = True
-        with contextlib.suppress(OSError):
-            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            # the filesystem took O_DIRECT but refuses its reads (a block larger than ``BLOCK``):
+            # plain reads from now on (a read ahead refused before that is read again here)
+            if self.direct:
+                _set_direct(self.fd, False)
+                self.direct = False
+            return self._read_now(start, nbytes)
 
     def close(self) -> None:
-        """No read of this file runs once this returns (its descriptor may be closed then)."""
+        """No read of this file runs once this returns; then its descriptor is closed."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             for _, n, _ in self._ahead.values():
                 self.buffers.unreserve(n)
             self._ahead.clear()
+        os.close(self.fd)
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """O_DIRECT set on (or cleared from) an open file; False where the system refuses it."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | flag if on else flags & ~flag)
+    except OSError:
+        return False
+    return True

@@ -22,12 +22,9 @@ file's header and every tensor in a header is in the index); headers are validat
 from __future__ import annotations
 
 import abc
-import collections
 import hashlib
 import itertools
-import mmap
 import operator
-import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from k3lab.errors import K3LabError
-from k3lab.formats.direct_io import DirectFile, ReadBuffers, in_page_cache
+from k3lab.formats.direct_io import FileReads, ReadBuffers, in_page_cache
 from k3lab.formats.files import open_regular
 from k3lab.formats.safetensors import (
     INDEX_NAME,
@@ -63,9 +60,6 @@ __all__ = [
     "sha256_file",
 ]
 
-MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-DROP_LAG = 8  # pieces mapped since: a piece this old is hashed, written and unmapped (2-3 are alive)
-
 
 class SourceError(K3LabError):
     """The index and the files disagree, or a file is missing."""
@@ -77,17 +71,15 @@ class Source(abc.ABC):
     inputs are fingerprinted."""
 
     meta_dir: Path
-    DIRECT_READS = False  # O_DIRECT for a file not in the page cache (a download just written is)
+    DIRECT_READS = False  # O_DIRECT for a file not in the page cache (a download just written is in it)
 
     def __init__(self) -> None:
         self._index: tuple[Path | str, dict[str, str]] | None = None
         self._by_file: dict[str, set[str]] | None = None
         self._headers: dict[str, dict[str, TensorEntry]] = {}
         self._header_sha: dict[str, str] = {}
-        self._fds: dict[str, int] = {}
+        self._open: dict[str, FileReads] = {}  # files being read, by the path their entries name
         self._holds: dict[str, int] = {}  # file -> acquires not released yet
-        self._mapped: dict[int, collections.deque] = {}  # fd -> ranges of its latest pieces
-        self._direct: dict[int, DirectFile | None] = {}  # fd -> its direct reads (None: mapped)
         self._buffers = ReadBuffers()
         self._acquired: dict[str, dict[str, TensorEntry]] = {}  # shards read whole by ``array``
         self._lock = threading.Lock()
@@ -250,79 +242,45 @@ class Source(abc.ABC):
                 self._holds[file] = left
                 return False
             self._holds.pop(file, None)
-            fd = self._fds.pop(str(self.local_path(file)), None)  # (keyed as entries name files)
-            if fd is not None:
-                self._mapped.pop(fd, None)
-            direct = self._direct.pop(fd, None) if fd is not None else None
+            reads = self._open.pop(str(self.local_path(file)), None)
         self._acquired.pop(file, None)
-        if direct is not None:
-            direct.close()  # (its read ahead stops before the descriptor is closed and reused)
-        if fd is not None:
-            os.close(fd)
+        if reads is not None:
+            reads.close()
         return True
 
-    def map(self, entry: TensorEntry, offset: int, nbytes: int) -> np.ndarray:
-        """``nbytes`` of a tensor from byte ``offset`` of its data, read-only: read with O_DIRECT into
-        a buffer (``DIRECT_READS``), else a view of the file's mapped pages (no copy). Either lives as
-        long as the array: read bounded pieces and drop them, and RSS stays bounded."""
+    def read_piece(self, entry: TensorEntry, offset: int, nbytes: int) -> np.ndarray:
+        """``nbytes`` of a tensor from byte ``offset`` of its data, read-only, in a buffer of its own
+        (``FileReads``: with O_DIRECT from a file the page cache does not hold, else copied from the
+        cache). The buffer lives as long as the array: read bounded pieces and drop them, and RSS
+        stays bounded."""
         if offset + nbytes > entry.nbytes:
             raise SourceError(f"{entry.file}: tensor {entry.name}: read past its {entry.nbytes} bytes")
         if nbytes == 0:
             return np.empty(0, dtype=np.uint8)
-        fd = self._fd(entry.file)
         start = entry.start + offset
-        direct = self._direct.get(fd)
         try:
-            data = direct.read(start, nbytes) if direct is not None else None
+            return self._reads(entry.file).read(start, nbytes)
         except OSError as e:
             raise SourceError(
                 f"{entry.file}: tensor {entry.name}: cannot read bytes {start}+{nbytes} ({e})"
             ) from None
-        if data is not None:
-            return data
-        base = start - start % mmap.ALLOCATIONGRANULARITY
-        try:
-            # populated at once: one call maps the piece's pages instead of a fault per 4 KiB page
-            # (a 17 GB shard is 4 million faults: ~10 s of system time on 2 cores)
-            m = mmap.mmap(fd, start + nbytes - base, flags=MAP_FLAGS, prot=mmap.PROT_READ, offset=base)
-        except (OSError, ValueError) as e:
-            raise SourceError(
-                f"{entry.file}: tensor {entry.name}: cannot map bytes {start}+{nbytes} ({e})"
-            ) from None
-        self._drop_behind(fd, base, start + nbytes - base)
-        return np.frombuffer(m, dtype=np.uint8, count=nbytes, offset=start - base)
 
     def will_need(self, entry: TensorEntry, offset: int, nbytes: int) -> None:
-        """A hint: those bytes are read next; the disk starts on them now, while the current piece is
-        repacked and hashed (read ahead into a buffer, or by the kernel into the page cache)."""
-        if not nbytes or offset + nbytes > entry.nbytes:
-            return
-        fd = self._fd(entry.file)
-        direct = self._direct.get(fd)
-        if direct is not None and not direct.refused:
-            direct.ahead(entry.start + offset, nbytes)
-        elif hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, entry.start + offset, nbytes, os.POSIX_FADV_WILLNEED)
+        """A hint: those bytes are read next; they are read ahead now, while the current piece is
+        repacked and hashed."""
+        if nbytes and offset + nbytes <= entry.nbytes:
+            self._reads(entry.file).ahead(entry.start + offset, nbytes)
 
-    def _drop_behind(self, fd: int, base: int, length: int) -> None:
-        """Drop from the page cache the pages of pieces mapped a while ago (read once; a full page
-        cache makes every new page cost a reclaim): exact ranges no stream can still hold."""
+    def _reads(self, file: str) -> FileReads:
+        """The open file's reads (opened on first use: with O_DIRECT when ``DIRECT_READS`` and the
+        page cache does not hold it)."""
         with self._lock:
-            behind = self._mapped.setdefault(fd, collections.deque())
-            behind.append((base, length))
-            old = behind.popleft() if len(behind) > DROP_LAG else None
-        if old is not None and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, old[0], old[1], os.POSIX_FADV_DONTNEED)
-
-    def _fd(self, file: str) -> int:
-        with self._lock:
-            fd = self._fds.get(file)
-            if fd is None:
+            reads = self._open.get(file)
+            if reads is None:
                 fd, _ = open_regular(file, "safetensors file")
-                self._fds[file] = fd
                 direct = self.DIRECT_READS and not in_page_cache(fd)
-                self._direct[fd] = DirectFile.open(fd, self._buffers) if direct else None
-        return fd
+                reads = self._open[file] = FileReads(fd, self._buffers, direct)
+        return reads
 
     def warm(self, names: list[str]) -> None:
         """A hint: these tensors are read next (the Hub fetches them side by side; here: nothing)."""

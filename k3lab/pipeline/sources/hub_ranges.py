@@ -48,12 +48,12 @@ class RangedReads:
         """``file``'s downloaded bytes (SHA-256 checked) contradict ranges read earlier: drop them."""
         self.cache.distrust(self.identity(file))
 
-    def map(self, entry: TensorEntry, offset: int, nbytes: int) -> np.ndarray:
+    def read_piece(self, entry: TensorEntry, offset: int, nbytes: int) -> np.ndarray:
         """A piece of a tensor: from the downloaded shard when this source holds it (converting),
         else by a ranged GET, never stored (``verify`` streaming a whole set through)."""
         file = self._labels.get(entry.file, entry.file)
         if file in self._slots:
-            return super().map(entry, offset, nbytes)
+            return super().read_piece(entry, offset, nbytes)
         if offset + nbytes > entry.nbytes:
             raise SourceError(f"{entry.file}: tensor {entry.name}: read past its {entry.nbytes} bytes")
         start, stop = entry.start + offset, entry.start + offset + nbytes

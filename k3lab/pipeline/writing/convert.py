@@ -3,7 +3,7 @@
 For output file k of a plan: write the GGUF header and tensor infos, then for each planned tensor
 acquire the source files it reads that are not here yet (``PlannedInputs``: each file's header
 checked against the plan's; the next file prefetched), let its transform's stream read the sources
-in bounded pieces (``Reader``: read with O_DIRECT, or mapped from the page cache) and stream the output bytes to
+in bounded pieces (``Reader``: read with O_DIRECT, or from the page cache) and stream the output bytes to
 ``NAME.partial``, hashed and written on background threads, and release the files no later tensor
 reads; fsync, rename, record the hashes (``state.record``, written by ``state.records``). Memory is bounded by
 what the streams hold at once, which the plan forecasts per file; disk by the files one tensor reads.
@@ -34,9 +34,9 @@ READ_FIRST = 256 << 20  # bytes read ahead at a task's start: more than the disk
 
 
 class Reader:
-    """Source tensors by name, in bounded pieces: each read-only, read into a buffer or mapped (see
-    ``Source.map``; either goes when the piece's last user drops it: the stream, or the writer once
-    it has hashed and written it), reported to ``report`` (which stops the task once its run
+    """Source tensors by name, in bounded pieces: each read-only, in a buffer of its own (see
+    ``Source.read_piece``; it goes back when the piece's last user drops it: the stream, or the
+    writer once it has hashed and written it), reported to ``report`` (which stops the task once its run
     stopped). ``files``: the source file holding each tensor, as a record names it (default: the
     entry's)."""
 
@@ -81,7 +81,7 @@ class Reader:
 
     def __call__(self, name: str, row_start: int = 0, row_stop: int | None = None) -> np.ndarray:
         e, stop, offset, n = self._range(name, row_start, row_stop)
-        buf = self.source.map(e, offset, n)
+        buf = self.source.read_piece(e, offset, n)
         self.report.read(n)
         shape = (stop - row_start, *e.shape[1:]) if e.shape else ()
         return buf.view(NUMPY_DTYPE[e.dtype]).reshape(shape)
