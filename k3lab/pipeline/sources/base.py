@@ -2,8 +2,9 @@
 
 The planner asks a source for the index and every source file's header; a conversion task asks it
 for the files its output file reads, one after another as its tensors need them: ``acquire(file)``
-(local: nothing; Hub: download into scratch, resuming), bounded ``map`` calls for that file's bytes,
-then ``release(file)`` (Hub: delete it, unless ``keep``: the next task reads it too). ``prefetch``
+(local: nothing; Hub: download into scratch, resuming), bounded ``read_piece`` calls for that file's
+bytes (each hinted first by ``will_need``: read ahead on a thread), then ``release(file)`` (closed;
+Hub: deleted, unless ``keep``: the next task reads it too). ``prefetch``
 hints the next file (Hub: its download starts while this one converts; at most one ahead).
 
 A checkpoint is any layout transformers or Moonshot write: an index naming the files (any names,
