@@ -15,7 +15,7 @@ import mmap
 import os
 import threading
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -206,16 +206,17 @@ class FileReads:
     the page cache does not hold: from the disk, nothing cached), else plain reads (copied from the
     page cache, where a file just written or read is). Never mapped: a file that shrinks under a
     mapping kills the process (SIGBUS); a read says where the file ends. ``ahead`` starts a read on
-    a thread of its own (the next piece, while the caller works on this one); ``read`` takes the
-    range from a read ahead that holds it, or reads it now. The file's descriptor is this object's:
-    ``close`` stops its thread, then closes it."""
+    a thread of its own (the next piece, while the caller works on this one: a thread a read, so none
+    is left idle behind a file nobody releases); ``read`` takes the range from a read ahead that holds
+    it, or reads it now. The file's descriptor is this object's: ``close`` waits for the reads ahead
+    still running, then closes it."""
 
     BLOCK = 4096
 
     def __init__(self, fd: int, buffers: ReadBuffers, direct: bool):
         self.fd, self.buffers = fd, buffers
         self.direct = direct and _set_direct(fd, True)
-        self._pool: ThreadPoolExecutor | None = None
+        self._running: set[threading.Thread] = set()
         self._ahead: dict[tuple[int, int], tuple[Future, int, int]] = {}  # range -> (read, bytes, asked at)
         self._reads = 0
         self._lock = threading.Lock()
@@ -252,10 +253,21 @@ class FileReads:
                 return
             if not self.buffers.reserve(nbytes):
                 return
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="k3lab-read")
-            read = self._pool.submit(self._read_now, start, nbytes)
+            read: Future = Future()
+            thread = threading.Thread(target=self._read_into, args=(read, start, nbytes), name="k3lab-read")
+            thread.daemon = True  # (a read is harmless: a process that ends does not wait for it)
+            self._running.add(thread)
             self._ahead[(start, start + nbytes)] = (read, nbytes, self._reads)
+            thread.start()
+
+    def _read_into(self, read: Future, start: int, nbytes: int) -> None:
+        try:
+            read.set_result(self._read_now(start, nbytes))
+        except BaseException as e:  # (the reader of the range raises it)
+            read.set_exception(e)
+        finally:
+            with self._lock:
+                self._running.discard(threading.current_thread())
 
     def read(self, start: int, nbytes: int) -> np.ndarray:
         """The bytes, read-only."""
@@ -285,8 +297,10 @@ class FileReads:
 
     def close(self) -> None:
         """No read of this file runs once this returns; then its descriptor is closed."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            running = list(self._running)
+        for thread in running:
+            thread.join()
         with self._lock:
             for _, n, _ in self._ahead.values():
                 self.buffers.unreserve(n)

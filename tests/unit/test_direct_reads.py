@@ -192,8 +192,19 @@ def test_a_shard_that_shrank_under_a_source_is_one_line_naming_it(
     source.release(entry.file)
 
 
-def test_a_released_file_leaves_no_reading_thread_and_no_descriptor(tiny_src: Path) -> None:
+def test_a_released_file_leaves_no_reading_thread_and_no_descriptor(
+    tiny_src: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Release waits for the reads ahead still running (slowed here), then closes the file: no thread
+    reads a descriptor that may be closed and reused."""
     from k3lab.pipeline.sources.local import LocalSource
+
+    real = os.preadv
+
+    def slow(fd: int, bufs: list, offset: int, *flags: int) -> int:
+        if not flags:  # (a read, not the page cache asked)
+            time.sleep(0.2)
+        return real(fd, bufs, offset, *flags)
 
     def readers() -> set[threading.Thread]:
         return {t for t in threading.enumerate() if t.name.startswith("k3lab-read")}
@@ -202,6 +213,7 @@ def test_a_released_file_leaves_no_reading_thread_and_no_descriptor(tiny_src: Pa
     file = source.files()[0]  # (acquired and released by its name, as a task does)
     entries = sorted(source.header(file).values(), key=lambda e: e.start)
     before = readers()
+    monkeypatch.setattr(direct_io.os, "preadv", slow)
     source.acquire(file)
     for e in entries:
         source.will_need(e, 0, e.nbytes)
