@@ -9,6 +9,7 @@ ahead on a thread (plain reads where the page cache holds the file). Nothing her
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -131,24 +132,30 @@ STALE_READS = 8  # a range read ahead and not asked for within this many reads i
 
 
 def in_page_cache(fd: int, samples: int = 4) -> bool:
-    """Whether the file's pages are in the page cache, sampled at ``samples`` places of its second
-    half (its header is read by other means): a file just written or read is read from there, a file
-    on disk only with O_DIRECT. A read that must not wait asks the cache alone."""
-    nowait = getattr(os, "RWF_NOWAIT", None)
+    """Whether the file's pages are in the page cache, sampled at ``samples`` pages of its second half
+    (its header is read by other means): a file just written or read is read from there, a file on
+    disk only with O_DIRECT. Asked with ``mincore`` of a mapping never touched, so the asking reads
+    nothing (a read told not to wait, ``RWF_NOWAIT``, still starts the kernel's readahead, and of a
+    sparse file's holes it finishes it)."""
     size = os.fstat(fd).st_size
-    if nowait is None or size == 0:
+    mincore = getattr(_LIBC, "mincore", None)
+    if size == 0 or mincore is None:
         return False
-    page = mmap.mmap(-1, mmap.PAGESIZE)
-    try:
-        for k in range(samples):
-            at = size - 1 - size * k // (2 * samples)
-            try:
-                os.preadv(fd, [page], at - at % mmap.PAGESIZE, nowait)
-            except OSError:  # (EAGAIN: not cached; EOPNOTSUPP: cannot tell)
-                return False
-        return True
-    finally:
-        page.close()
+    resident = ctypes.c_ubyte()
+    for k in range(samples):
+        at = size - 1 - size * k // (2 * samples)
+        base = at - at % mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(fd, at + 1 - base, access=mmap.ACCESS_READ, offset=base) as m:
+            view = np.frombuffer(m, dtype=np.uint8)
+            page = view.ctypes.data + (at - base) // mmap.PAGESIZE * mmap.PAGESIZE
+            failed = mincore(ctypes.c_void_p(page), ctypes.c_size_t(1), ctypes.byref(resident))
+            del view
+        if failed or not resident.value & 1:
+            return False
+    return True
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 class ShortFile(OSError):

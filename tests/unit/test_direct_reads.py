@@ -244,6 +244,17 @@ def test_a_file_in_the_page_cache_is_read_plain_one_on_disk_only_direct(tmp_path
         assert in_page_cache(fd)
     finally:
         os.close(fd)
+    # asking reads nothing: of a sparse file (holes: what `synth --preset full` writes) a read that
+    # must not wait would have the kernel's readahead zero-fill the pages, and the next ask says cached
+    sparse = tmp_path / "sparse.bin"
+    with open(sparse, "wb") as fh:
+        fh.truncate(64 << 20)
+    evict(sparse)
+    fd = os.open(sparse, os.O_RDONLY)
+    try:
+        assert [in_page_cache(fd) for _ in range(3)] == [False] * 3
+    finally:
+        os.close(fd)
     empty = tmp_path / "empty.bin"
     empty.touch()
     fd = os.open(empty, os.O_RDONLY)
