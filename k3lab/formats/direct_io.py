@@ -9,6 +9,7 @@ ahead on a thread (plain reads where the page cache holds the file). Nothing her
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import fcntl
@@ -213,17 +214,19 @@ class FileReads:
     the page cache does not hold: from the disk, nothing cached), else plain reads (copied from the
     page cache, where a file just written or read is). Never mapped: a file that shrinks under a
     mapping kills the process (SIGBUS); a read says where the file ends. ``ahead`` starts a read on
-    a thread of its own (the next piece, while the caller works on this one: a thread a read, so none
-    is left idle behind a file nobody releases); ``read`` takes the range from a read ahead that holds
-    it, or reads it now. The file's descriptor is this object's: ``close`` waits for the reads ahead
-    still running, then closes it."""
+    the file's thread (the next piece, while the caller works on this one), one read after another in
+    the order asked (reads side by side, one a thread, made the disk slower: 31-34 s against 24-30 s
+    for the dense shard); the thread ends when nothing is left to read, so none idles behind a file
+    nobody releases. ``read`` takes the range from a read ahead that holds it, or reads it now. The
+    file's descriptor is this object's: ``close`` waits for the thread, then closes it."""
 
     BLOCK = 4096
 
     def __init__(self, fd: int, buffers: ReadBuffers, direct: bool):
         self.fd, self.buffers = fd, buffers
         self.direct = direct and _set_direct(fd, True)
-        self._running: set[threading.Thread] = set()
+        self._queue: collections.deque[tuple[Future, int, int]] = collections.deque()
+        self._thread: threading.Thread | None = None  # alive while the queue has reads
         self._ahead: dict[tuple[int, int], tuple[Future, int, int]] = {}  # range -> (read, bytes, asked at)
         self._reads = 0
         self._lock = threading.Lock()
@@ -261,20 +264,24 @@ class FileReads:
             if not self.buffers.reserve(nbytes):
                 return
             read: Future = Future()
-            thread = threading.Thread(target=self._read_into, args=(read, start, nbytes), name="k3lab-read")
-            thread.daemon = True  # (a read is harmless: a process that ends does not wait for it)
-            self._running.add(thread)
             self._ahead[(start, start + nbytes)] = (read, nbytes, self._reads)
-            thread.start()
+            self._queue.append((read, start, nbytes))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._read_queued, name="k3lab-read")
+                self._thread.daemon = True  # (a read is harmless: a process that ends does not wait)
+                self._thread.start()
 
-    def _read_into(self, read: Future, start: int, nbytes: int) -> None:
-        try:
-            read.set_result(self._read_now(start, nbytes))
-        except BaseException as e:  # (the reader of the range raises it)
-            read.set_exception(e)
-        finally:
+    def _read_queued(self) -> None:
+        while True:
             with self._lock:
-                self._running.discard(threading.current_thread())
+                if not self._queue:
+                    self._thread = None
+                    return
+                read, start, nbytes = self._queue.popleft()
+            try:
+                read.set_result(self._read_now(start, nbytes))
+            except BaseException as e:  # (the reader of the range raises it)
+                read.set_exception(e)
 
     def read(self, start: int, nbytes: int) -> np.ndarray:
         """The bytes, read-only."""
@@ -305,8 +312,9 @@ class FileReads:
     def close(self) -> None:
         """No read of this file runs once this returns; then its descriptor is closed."""
         with self._lock:
-            running = list(self._running)
-        for thread in running:
+            self._queue.clear()  # (what is being read finishes; nothing more starts)
+            thread = self._thread
+        if thread is not None:
             thread.join()
         with self._lock:
             for _, n, _ in self._ahead.values():
