@@ -146,11 +146,14 @@ def in_page_cache(fd: int, samples: int = 4) -> bool:
     for k in range(samples):
         at = size - 1 - size * k // (2 * samples)
         base = at - at % mmap.ALLOCATIONGRANULARITY
-        with mmap.mmap(fd, at + 1 - base, access=mmap.ACCESS_READ, offset=base) as m:
-            view = np.frombuffer(m, dtype=np.uint8)
-            page = view.ctypes.data + (at - base) // mmap.PAGESIZE * mmap.PAGESIZE
-            failed = mincore(ctypes.c_void_p(page), ctypes.c_size_t(1), ctypes.byref(resident))
-            del view
+        try:
+            with mmap.mmap(fd, at + 1 - base, access=mmap.ACCESS_READ, offset=base) as m:
+                view = np.frombuffer(m, dtype=np.uint8)
+                page = view.ctypes.data + (at - base) // mmap.PAGESIZE * mmap.PAGESIZE
+                failed = mincore(ctypes.c_void_p(page), ctypes.c_size_t(1), ctypes.byref(resident))
+                del view
+        except (OSError, ValueError):  # (a file that cannot be mapped, or shrank meanwhile: read direct)
+            return False
         if failed or not resident.value & 1:
             return False
     return True
@@ -278,6 +281,8 @@ class FileReads:
                     self._thread = None
                     return
                 read, start, nbytes = self._queue.popleft()
+            if not read.set_running_or_notify_cancel():
+                continue  # (dropped before it began)
             try:
                 read.set_result(self._read_now(start, nbytes))
             except BaseException as e:  # (the reader of the range raises it)
@@ -290,11 +295,16 @@ class FileReads:
             self._reads += 1
             held = next((r for r in self._ahead if r[0] <= start and end <= r[1]), None)
             pending = self._ahead[held][0] if held is not None else None
-            for r, (_, n, at) in list(self._ahead.items()):
-                # what this read finishes goes, and what was asked for long ago and never read
-                if (r == held and r[1] == end) or (r != held and self._reads - at > STALE_READS):
+            for r, (read, n, at) in list(self._ahead.items()):
+                # what this read finishes or runs past goes, and what was asked for long ago and
+                # never read (not read at all if not begun: its budget is another hint's now)
+                finished = r == held and r[1] == end
+                passed = r != held and r[0] <= start < r[1] < end
+                if finished or passed or (r != held and self._reads - at > STALE_READS):
                     del self._ahead[r]
                     self.buffers.unreserve(n)
+                    if r != held:
+                        read.cancel()
         try:
             if pending is not None:
                 return pending.result()[start - held[0] : end - held[0]]

@@ -19,7 +19,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from k3lab.formats import direct_io
-from k3lab.formats.direct_io import READ_AHEAD, READ_KEEP, FileReads, ReadBuffers, ShortFile, in_page_cache
+from k3lab.formats.direct_io import (
+    READ_AHEAD,
+    READ_KEEP,
+    STALE_READS,
+    FileReads,
+    ReadBuffers,
+    ShortFile,
+    in_page_cache,
+)
 
 SIZE = 200_003  # (not a whole number of blocks: the last read ends inside one)
 
@@ -120,6 +128,43 @@ def test_a_hint_serves_the_pieces_it_holds_and_buffers_come_back(
     for n in (9 << 20, 9 << 20, 9 << 20, 1 << 20):
         buffers.give(buffers.take(n))
     assert sum(map(len, buffers._free)) <= READ_KEEP
+
+
+def test_a_read_past_a_hint_ends_it_and_a_dropped_hint_is_never_read(
+    data_file: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hint cut short of a piece (a task's first hint, say) gives back its budget once a read runs
+    past its end, not eight reads later; a hint dropped before its read began is never read."""
+    path, data = data_file
+    reads = _open(path, True)
+    try:
+        reads.ahead(0, 90_000)
+        assert reads.read(0, 60_000).tobytes() == data[:60_000]  # (from the hint)
+        assert reads.buffers.ahead == 90_000
+        assert reads.read(60_000, 60_000).tobytes() == data[60_000:120_000]  # past its end
+        assert reads.buffers.ahead == 0
+        real, offsets = os.preadv, []
+
+        def slow(fd: int, bufs: list, offset: int, *flags: int) -> int:
+            offsets.append(offset)
+            if offset == 0:  # (the thread's first read: long enough for nine reads of the caller)
+                time.sleep(1.0)
+            return real(fd, bufs, offset, *flags)
+
+        monkeypatch.setattr(direct_io.os, "preadv", slow)
+        reads.ahead(0, 4096)  # the thread is busy with this one...
+        reads.ahead(180_224, 4096)  # ...while this one waits, and is dropped as stale:
+        for _ in range(STALE_READS + 1):
+            reads.read(8192, 10)
+        for _ in range(500):  # (the thread empties its queue, then ends)
+            if reads._thread is None:
+                break
+            time.sleep(0.01)
+        reads.close()
+        assert 180_224 not in offsets and reads.buffers.ahead == 0
+    finally:
+        if reads._thread is not None:
+            reads.close()
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -253,6 +298,17 @@ def test_a_file_in_the_page_cache_is_read_plain_one_on_disk_only_direct(tmp_path
     fd = os.open(sparse, os.O_RDONLY)
     try:
         assert [in_page_cache(fd) for _ in range(3)] == [False] * 3
+    finally:
+        os.close(fd)
+
+    def unmappable(*args: object, **kwargs: object) -> None:
+        raise OSError(19, "No such device")  # (a filesystem that cannot map files)
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(direct_io.mmap, "mmap", unmappable)
+            assert not in_page_cache(fd)  # asked, not raised: read direct
     finally:
         os.close(fd)
     empty = tmp_path / "empty.bin"

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from k3lab.formats.direct_io import READ_AHEAD
 from k3lab.formats.gguf_stream import KV, GGUFStream, split_kvs
 from k3lab.formats.safetensors import NUMPY_DTYPE, TensorEntry
 from k3lab.pipeline.planning.plan import Plan, PlanError, PlannedFile, PlannedTensor
@@ -30,7 +31,9 @@ from k3lab.pipeline.state import OutputFolder
 from k3lab.pipeline.state.proof import header_sha256, identity
 from k3lab.pipeline.state.record import Record, SourceRef, TensorRecord
 
-READ_FIRST = 256 << 20  # bytes read ahead at a task's start: more than the disk reads while numba loads
+# bytes hinted at a task's start, read while the header is written and numba loads: what a source
+# reads ahead at most (a larger hint would be refused whole)
+READ_FIRST = READ_AHEAD
 
 
 class Reader:
