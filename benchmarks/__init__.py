@@ -34,6 +34,10 @@ straightforward implementation), because these machines are shared and noisy. Ro
               each) so that the network sets the pace: wall time against the larger of a worker's
               download, upload and conversion times plus one shard's fill, beside the same run by
               K3LAB_BASELINE's code (one step after another)
+  variants    a real-size MoE file (a `layer` checkpoint's layer 1, 16 experts at the real dims) by
+              `k3lab quantize` and llama.cpp's own `llama-quantize`, whole set, same cores, paired: to
+              Q2_K and to IQ2_XXS with an imatrix (bytes equal); then the whole model per variant
+              (its size from the plan of the real headers, its time from each type's speed here)
   tokenizer   GGUF vocabulary of the real size (163,840 ids) vs the straightforward per-token BPE
               reconstruction (as upstream does it) on the same vocabulary; the merges must agree
 """

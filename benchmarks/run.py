@@ -22,6 +22,7 @@ from benchmarks import (  # noqa: E402,F401 (each registers its row)
     rerun,
     startup,
     tokenizer,
+    variants,
 )
 from benchmarks.common import ROWS, _machine  # noqa: E402
 

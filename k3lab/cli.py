@@ -1,5 +1,5 @@
-"""The ``k3lab`` command: it parses arguments, makes a ``request.Request`` of them, calls the function
-of ``k3lab.request`` that notebooks call too, and prints what it returns."""
+"""The ``k3lab`` command: it parses arguments, makes a ``request.Request`` of them, and hands them
+to the command's function (``cli_commands``), which calls what notebooks call too and prints it."""
 
 from __future__ import annotations
 
@@ -7,10 +7,20 @@ import argparse
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import NoReturn
 
 from k3lab import __version__, request, values
+from k3lab.cli_commands import (
+    _batch,
+    _check_logits,
+    _check_vision,
+    _convert,
+    _front,
+    _plan,
+    _publish,
+    _quantize,
+    _verify,
+)
 from k3lab.errors import K3LabError, printable
 from k3lab.request import Request
 
@@ -27,98 +37,6 @@ JOBS, SEED, EXPERTS = (
     values.argument(values.count, *n) for n in ((1, values.MAX_JOBS), (0, 2**32 - 1), (1, 4096))
 )
 SECONDS, REPO, POSITIVE = (values.argument(c) for c in (values.seconds, values.repo_id, values.positive))
-
-
-def _say(line: str) -> None:
-    print(f"k3lab: {line}", file=sys.stderr, flush=True)
-
-
-# --- the commands ---------------------------------------------------------------------------------
-
-
-def _plan(req: Request, args: argparse.Namespace) -> int:
-    import json
-
-    from k3lab.pipeline.planning.plan_table import describe_plan
-
-    plan = request.plan(req, _say)
-    print(json.dumps(plan.to_json(), indent=1) if args.json else describe_plan(plan, req.jobs))
-    return 0
-
-
-def _convert(req: Request, args: argparse.Namespace) -> int:
-    from k3lab.util import human_bytes
-
-    results = request.convert(req, None if req.quiet else _say)
-    written = [r for r in results if not r.skipped]
-    workers = sorted({r.worker for r in written})
-    branch = req.push_branch or "main"
-    check = f"k3lab verify {req.push_to}" + (f" --revision {branch}" if branch != "main" else "")
-    where = f"published to {req.push_to}@{branch} (check it: {check})" if req.push_to else f"in {req.out_dir}"
-    print(
-        f"{len(written)} written, {len(results) - len(written)} already complete; "
-        f"{human_bytes(sum(r.nbytes for r in results))} {where}"
-        + (f"; written by {len(workers)} processes ({', '.join(workers)})" if len(workers) > 1 else "")
-    )
-    return 0
-
-
-def _publish(req: Request, args: argparse.Namespace) -> int:
-    pushed, kept, commit, where = request.publish(req, _say)
-    print(
-        f"{pushed} uploaded, {kept} already in {where}; "
-        + (f"commit {commit}" if commit else "nothing to commit")
-    )
-    return 0
-
-
-def _verify(req: Request, args: argparse.Namespace) -> int:
-    verified = request.verify(
-        req, args.manifest, args.all, args.sample, args.tensors, args.seed, args.source_revision
-    )
-    print("\n".join(verified.lines()))
-    return 0 if verified.report.ok else 1
-
-
-def _check_logits(req: Request, args: argparse.Namespace) -> int:
-    tokens = values.token_ids(args.tokens, "--tokens") if args.tokens else None
-    report, stages = request.check_logits(
-        req, args.gguf, args.prompt, tokens, args.threshold, args.mode, args.judge
-    )
-    if args.blocks:
-        print(report.table())
-    print(f"whole model, for information: {report.summary()}")
-    print(stages.table(every=args.blocks))
-    print(f"check-logits {'FAILED' if stages.failed else 'OK'}: the verdict is the stage check")
-    return 1 if stages.failed else 0
-
-
-def _check_vision(req: Request, args: argparse.Namespace) -> int:
-    check = request.check_vision(req, args.mmproj, args.image, args.threshold)
-    print(check.summary())
-    print(check.table())
-    print(f"check-vision {'FAILED at ' + check.failed[0] if check.failed else 'OK'}")
-    return 1 if check.failed else 0
-
-
-def _batch(req: Request, args: argparse.Namespace) -> int:
-    from k3lab.pipeline.running.batch import summary
-
-    timeouts = (args.cell_timeout, args.notebook_timeout)
-    run_dir, results = request.batch(req, args.notebook, args.workers, args.run_id, args.runs_dir, timeouts)
-    print(summary(run_dir, results))
-    return 0 if all(r.status == "ok" for r in results) else 1
-
-
-def _front(module: str, function: str) -> Callable[[Request, argparse.Namespace], int]:
-    """A command of the front that is one call (imported when run: `k3lab --help` loads none)."""
-
-    def run(req: Request, args: argparse.Namespace) -> int:
-        import importlib
-
-        return int(getattr(importlib.import_module(module), function)(req, args) or 0)
-
-    return run
 
 
 # --- the parser -----------------------------------------------------------------------------------
@@ -157,6 +75,27 @@ RUN_FLAGS = {
     ),
 }
 FILES_HELP = "output files to write: N, A-B or a comma mix (default: all); --shards is its old name"
+VARIANT_FLAGS = {  # llama-quantize's own flags, with its meaning
+    "--variants": dict(
+        metavar="TYPE[,TYPE...]",
+        help="also make these quantised variants of each file, right after it is converted, on the same "
+        "worker (llama-quantize's types or k3lab's recipes; into OUT_DIR/LABEL/)",
+    ),
+    "--label": dict(help="the variant's name (its folder and files' type label; default: the type or recipe)"),
+    "--imatrix": dict(
+        metavar="FILE|ORG/NAME:PATH", help="llama-imatrix's importance matrix (GGUF or legacy .dat), local or on the Hub"
+    ),
+    "--tensor-type": dict(
+        action="append", metavar="PATTERN=TYPE", help="llama-quantize's: tensors whose name the regex matches get TYPE "
+        "(the first pattern that matches wins; repeatable)"
+    ),
+    "--output-tensor-type": dict(metavar="TYPE", help="llama-quantize's: the type of output.weight"),
+    "--token-embedding-type": dict(metavar="TYPE", help="llama-quantize's: the type of token_embd.weight"),
+    "--pure": dict(action="store_true", help="llama-quantize's: no mix, every tensor the type's default"),
+    "--leave-output-tensor": dict(action="store_true", help="llama-quantize's: output.weight as it is"),
+    "--threads": dict(type=values.argument(values.count, 1, 1024), metavar="N",
+                      help="threads quantising (default: the cores)"),
+}  # fmt: skip
 PUSH_FLAGS = {
     "--push-branch": dict(help="the branch to publish to (default: main; made if missing)"),
     "--private": dict(action="store_true", help="make the repo private when creating it"),
@@ -170,10 +109,12 @@ EXAMPLES = {  # one a user can run from a fresh clone after `k3lab demo` (tests 
     "plan": "k3lab plan --meta k3-demo/src",
     "convert": "k3lab convert --meta k3-demo/src --out-dir k3-demo/out",
     "publish": "k3lab publish k3-demo/out your-name/Kimi-K3-GGUF",
+    "quantize": "k3lab quantize k3-demo/out --type Q2_K",
     "batch": "k3lab batch --meta k3-demo/src --out-dir k3-demo/out",
     "vision": "k3lab vision --meta k3-demo/src --out k3-demo/out/mmproj-Kimi-K3-BF16.gguf",
     "check-logits": "k3lab check-logits --meta k3-demo/src --gguf k3-demo/out/Kimi-K3-8x1.9M-MXFP4.gguf",
     "check-vision": "k3lab check-vision --meta k3-demo/src --mmproj k3-demo/out/mmproj-Kimi-K3-BF16.gguf",
+    "setup-judge": "k3lab setup-judge",
     "verify": "k3lab verify k3-demo/out --src k3-demo/src",
     "lab": "k3lab lab",
     "tensor-map": "k3lab tensor-map > TENSOR_MAP.md",
@@ -213,9 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--preset",
-        choices=["tiny", "tiny-f32", "testmodel", "layer", "full"],
+        choices=["tiny", "widths", "tiny-f32", "testmodel", "layer", "full"],
         default="tiny",
-        help="tiny: 4 MiB, MXFP4 experts (the default); tiny-f32: tiny's size, float32 and plain experts; "
+        help="tiny: 4 MiB, MXFP4 experts (the default); widths: Kimi-K3's row widths in miniature (what "
+        "llama.cpp's quantiser decides by), 8 MB; tiny-f32: tiny's size, float32 and plain experts; "
         "testmodel: the published Kimi-K3-0.40B's config (1.6 GB, float32, one file); layer: MoE layers "
         "at the real expert size (300 MB); full: the real 93-layer model, headers only (data as holes)",
     )
@@ -239,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tok = lambda req, a: print(request.tokenizer(req, a.out, print))  # noqa: E731
     t = command("tokenizer", tok, "the vocabulary and hyperparameters as a standalone GGUF (no tensors)")
-    _flags(t, {"--meta": SOURCE_FLAGS["--meta"], "--chat-template": RUN_FLAGS["--chat-template"]}, meta=True)
+    template = dict(RUN_FLAGS["--chat-template"], help="a Jinja chat template to embed in the tokenizer GGUF")
+    _flags(t, {"--meta": SOURCE_FLAGS["--meta"], "--chat-template": template}, meta=True)
     t.add_argument("--out", required=True, help="output .gguf")
 
     pl = command("plan", _plan, "what the conversion will write, from config, index and headers alone")
@@ -268,6 +211,37 @@ def build_parser() -> argparse.ArgumentParser:
         "--text-only", action="store_true", help="publish the split set alone (no mmproj, tokenizer)"
     )
 
+    _flags(c, VARIANT_FLAGS)
+
+    q = command(
+        "quantize", _quantize, "quantised variants of a converted set, file by file, by llama.cpp's ggml"
+    )
+    q.add_argument("out_dir", metavar="SET", help="the folder of a converted set (variants go to SET/LABEL/)")
+    q.add_argument(
+        "--type",
+        dest="variants",
+        metavar="TYPE[,TYPE...]",
+        required=True,
+        help="llama-quantize's types (Q2_K, IQ2_XXS, Q4_K_M ...) or k3lab's recipes (MoE-Q2_K ...): a variant each",
+    )
+    _flags(q, {k: v for k, v in VARIANT_FLAGS.items() if k != "--variants"})
+    q.add_argument("--files", "--shards", dest="shards", metavar="LIST", help=FILES_HELP)
+    q.add_argument("--jobs", type=JOBS, default=1, help="files quantised in parallel processes")
+    q.add_argument("--scheduler", help="one task per file on this Dask scheduler (the set's folder shared)")
+    q.add_argument("--force", action="store_true", help="redo complete variant files")
+    q.add_argument("--quiet", action="store_true", help="errors and one summary line only")
+    q.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="plan only: each variant's size, bits per weight and llama-quantize command (a saved plan is "
+        "enough: `k3lab plan --out-dir` of the real model's headers gives the real model's figures)",
+    )
+    q.add_argument(
+        "--push-to", metavar="ORG/NAME", type=REPO, help="publish each variant file to this repo (LABEL/)"
+    )
+    q.add_argument("--keep-local", action="store_true", help="keep each variant file after uploading it")
+    _flags(q, {"--retry-budget": SOURCE_FLAGS["--retry-budget"]}, PUSH_FLAGS)
+
     pu = command("publish", _publish, "push a converted set (and its mmproj, tokenizer) to a Hub repo")
     pu.add_argument("out_dir", help="the output folder of a conversion")
     pu.add_argument("push_to", metavar="ORG/NAME", type=REPO, help="the Hub repo (made if missing)")
@@ -275,9 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     _flags(pu, {"--retry-budget": SOURCE_FLAGS["--retry-budget"]}, PUSH_FLAGS)
     pu.set_defaults(keep_local=True)
 
-    default_nb = Path(__file__).resolve().parent.parent / "notebooks" / "03-convert-shard.ipynb"
     b = command("batch", _batch, "run a notebook once per output file with papermill, on Dask")
-    b.add_argument("--notebook", default=str(default_nb), help="default: notebooks/03-convert-shard.ipynb")
+    b.add_argument("--notebook", help="default: notebooks/03-convert-a-file.ipynb")
     _flags(b, {k: SOURCE_FLAGS[k] for k in ("--meta", "--src")}, meta=True)
     _flags(b, {k: RUN_FLAGS[k] for k in ("--split-max-size", "--split-max-tensors")})
     b.add_argument("--out-dir", required=True, help="the output folder the notebooks convert into")
@@ -321,6 +294,22 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--blocks", action="store_true", help="print every position and every stage")
     judge = "also judge the reference by Moonshot's own forward (pip install 'k3lab[judge]')"
     cl.add_argument("--judge", choices=["moonshot"], help=judge)
+    cl.add_argument(
+        "--generate",
+        type=values.argument(values.count, 0, 256),
+        default=8,
+        metavar="N",
+        help="also decode the prompt and N generated tokens one at a time, each position against llama.cpp's "
+        "prefill (and Moonshot's forward, with --judge); 0: not (default 8)",
+    )
+
+    command(
+        "setup-judge",
+        _front("k3lab.kimi_k3.moonshot", "setup_command"),
+        "Moonshot's own modeling code where check-logits --judge moonshot finds it (from llmcompressor's "
+        "wheel, its SHA-256 checked)",
+        model=False,
+    )
 
     cv = command(
         "check-vision", _check_vision, "the mmproj, read as a runtime reads it, vs the source's tower"
@@ -396,5 +385,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 143
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # (the installed `k3lab` command is k3lab.entry's: main, then a quick exit)
     sys.exit(main())

@@ -21,6 +21,14 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
+def summary(link: str = "") -> list[str]:
+    """The table of commands, each linked to its section of the page (``link``: the page's path from
+    where the table is; the README shows the same table)."""
+    commands = _commands(build_parser())
+    rows = [f"| [`{name}`]({link}#{name}) | {_cell(p.description or '')} |" for name, p in commands.items()]
+    return ["| command | what it does |", "| --- | --- |", *rows]
+
+
 def markdown() -> str:
     """The page: each command's purpose, usage, options and an example that runs after `k3lab demo`."""
     os.environ["COLUMNS"] = str(WIDTH)
@@ -31,11 +39,9 @@ def markdown() -> str:
         "Generated from k3lab's argument parser (`python -m k3lab.cli_reference > docs/reference/cli.md`);",
         "every example runs verbatim after `k3lab demo` (a test runs each).",
         "",
-        "| command | what it does |",
-        "| --- | --- |",
+        *summary(),
     ]
     commands = _commands(parser)
-    out += [f"| [`{name}`](#{name}) | {_cell(p.description or '')} |" for name, p in commands.items()]
     for name, p in commands.items():
         usage = p.format_usage().removeprefix("usage: ").strip()
         out += ["", f"## {name}", "", _cell(p.description or ""), "", "```", usage, "```", ""]

@@ -2,7 +2,7 @@
 
 Synthesise the checkpoint, convert every text shard (in parallel), write the standalone
 tokenizer GGUF and the vision mmproj, merge the manifest, verify every byte, and where
-llama.cpp is installed, load the split set and generate a few tokens.
+llama.cpp is installed, chat with the set through its own chat template.
 """
 
 from __future__ import annotations
@@ -15,21 +15,27 @@ from typing import Any
 from k3lab import request
 from k3lab.errors import K3LabError
 from k3lab.kimi_k3.synth.report import describe
+from k3lab.pipeline.writing.single import beside_names
 from k3lab.request import Request
 from k3lab.util import human_bytes
 
+CHAT = [{"role": "user", "content": "Hello! Who are you?"}]
 
-def _generate(first_file: Path, n: int = 12) -> str:
+
+def _chat(first_file: Path, n: int = 12) -> tuple[str, str]:
+    """One chat turn with the set as llama.cpp runs it: llama-cpp-python's chat completion renders the
+    conversation with the chat template the set carries (``tokenizer.chat_template``, read from the
+    GGUF: nothing passed here), and llama.cpp generates the reply greedily. (The demo's weights are
+    random: the reply is words drawn from the vocabulary, not an answer.)"""
     import llama_cpp
 
-    llm = llama_cpp.Llama(str(first_file), n_ctx=128, n_threads=2, verbose=False)
-    prompt = llm.tokenize(b"The quick brown fox", add_bos=False)
-    llm.eval(prompt)
-    out = []
-    for _ in range(n):
-        out.append(llm.sample(top_k=1, temp=0.0))
-        llm.eval([out[-1]])
-    return f"{prompt} -> {out}  ({llm.detokenize(out)!r})"
+    llm = llama_cpp.Llama(str(first_file), n_ctx=512, n_threads=2, verbose=False)
+    if (
+        llm.chat_format != "chat_template.default"
+    ):  # (the set's own template, not a format of llama-cpp-python's)
+        raise K3LabError(f"{first_file.name}: llama-cpp-python did not take the set's chat template")
+    answer = llm.create_chat_completion(messages=CHAT, max_tokens=n, temperature=0.0, top_k=1)
+    return CHAT[0]["content"], answer["choices"][0]["message"]["content"]
 
 
 def run_demo(workdir: str | Path, seed: int = 0, jobs: int = 2, model: str = "kimi-k3") -> int:
@@ -57,14 +63,15 @@ def run_demo(workdir: str | Path, seed: int = 0, jobs: int = 2, model: str = "ki
     written = sum(not f.skipped for f in files)
     what = "one GGUF file" if len(files) == 1 else f"{len(files)} GGUF split files"
     step("convert", t, f"{what} ({written} written, {len(files) - written} already complete)")
+    beside = beside_names(the_model, the_model.default_basename, the_model.load_config(src))
     if the_model.tokenizer_kvs is not None:
         t = time.perf_counter()
-        tok = request.tokenizer(req, str(out / f"{the_model.default_basename}-tokenizer.gguf"))
+        tok = request.tokenizer(req, str(out / beside["tokenizer"]))
         step("tokenizer", t, f"{tok.name} ({human_bytes(tok.stat().st_size)})")
     seen = None
     if the_model.single is not None:
         t = time.perf_counter()
-        mmproj = request.vision(req, str(out / f"mmproj-{the_model.default_basename}-BF16.gguf"))
+        mmproj = request.vision(req, str(out / beside[the_model.single.key]))
         step("vision", t, f"{mmproj.name} ({human_bytes(mmproj.stat().st_size)})")
         if the_model.guide is not None and the_model.guide.check_vision is not None:
             t = time.perf_counter()
@@ -86,16 +93,19 @@ def run_demo(workdir: str | Path, seed: int = 0, jobs: int = 2, model: str = "ki
     first = out / files[0].filename
     if importlib.util.find_spec("llama_cpp") is not None:
         t = time.perf_counter()
-        step("llama.cpp", t, "generated " + _generate(first))
+        said, reply = _chat(first)
+        step("chat", t, "llama.cpp, through the set's own chat template (random weights: random words)")
+        print(f"  user: {said}\n  assistant: {reply!r}")
     else:
-        print("llama.cpp: llama-cpp-python not installed, generation skipped (`make test` installs it)")
+        print("chat: llama-cpp-python not installed, the chat turn skipped (`make test` installs it)")
 
     print(f"\n{'step':<12} {'seconds':>8}  result")
     for label, seconds, note in steps:
         print(f"{label:<12} {seconds:>8.2f}  {note[:90]}")
     print(f"\ndemo finished in {time.perf_counter() - t0:.1f} s; everything is in {workdir}/")
     if importlib.util.find_spec("llama_cpp") is not None:
-        print(f"  next: k3lab check-logits --meta {src} --gguf {first}")
+        print(f"  next: llama-server -m {first} --jinja   (docs/running.md: a chat with your set)")
+        print(f"        k3lab check-logits --meta {src} --gguf {first}")
     else:
         print(f"  next: k3lab verify {out} --src {src}   (every tensor made again from the source)")
     print("        make lab   (or: k3lab lab; the notebooks read this demo's files)")

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from k3lab.children import python_command
 from k3lab.explore.paths import HOME_ENV, home
 
 TRACKED = "notebooks/"
@@ -51,9 +51,8 @@ def lab_command(extra: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
     """The `jupyter lab` command line and environment `k3lab lab` runs."""
     root = home()
     cmd = [
-        sys.executable,
-        "-m",
-        "jupyterlab",
+        # isolated (k3lab.children); its kernels start in k3lab's home, not in the current folder
+        *python_command("from jupyterlab.labapp import main\nsys.exit(main())"),
         f"--ServerApp.root_dir={root}",
         "--ContentsManager.pre_save_hook=k3lab.lab.strip_outputs_on_save",
         f"--LabApp.default_url=/lab/tree/{TRACKED.rstrip('/')}",

@@ -27,15 +27,17 @@ def markdown(page: str = "text") -> str:
     """A page (``text``: file 1's keys; ``mmproj``: the vision mmproj's): one row per key, in the order
     the file carries them."""
     from k3lab.kimi_k3.config import K3Config
-    from k3lab.kimi_k3.keys import model_kvs
     from k3lab.kimi_k3.mmproj import mmproj_kvs
     from k3lab.kimi_k3.synth import synthesize
+    from k3lab.pipeline.planning.planner import plan_kvs
+    from k3lab.request import Request, plan
 
     with tempfile.TemporaryDirectory(prefix="k3lab-metadata-") as tmp:
         src = Path(tmp) / "Kimi-K3"
         synthesize("tiny", src, seed=0)
         cfg = K3Config.load(src)
-        kvs = model_kvs(cfg, src, "Kimi-K3", "MXFP4_MOE") if page == "text" else mmproj_kvs(cfg, src)
+        # file 1's keys as a conversion plans them (its name and size label included), not a stand-in's
+        kvs = plan_kvs(plan(Request(meta=str(src))), src) if page == "text" else mmproj_kvs(cfg, src)
     out = HEADS[page] + ["", "| key | GGUF type | value (tiny checkpoint) |", "| --- | --- | --- |"]
     for kv in kvs:
         kind = kv.type.name + (f"[{kv.sub_type.name}]" if kv.sub_type is not None else "")

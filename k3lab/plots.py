@@ -201,16 +201,88 @@ def stage_agreement(stages: list[dict[str, Any]], threshold: float) -> Figure:
 
 
 def layer_agreement(rows: list[dict[str, Any]]) -> Figure:
-    """Per layer stage, the reference and llama.cpp against Moonshot's own forward (NMSE, log scale)."""
+    """Per layer stage, the reference, the runtime's own choices and llama.cpp against Moonshot's own
+    forward (NMSE, log scale)."""
     fig = Figure(figsize=(7, 3.2), layout="constrained")
     ax = fig.subplots()
     names = [r["stage"] for r in rows]
-    for key, style in (("reference vs Moonshot", "o-"), ("llama.cpp vs Moonshot", "s--")):
+    keys = (
+        ("reference vs Moonshot", "o-"),
+        ("llama.cpp's own choices vs Moonshot", "^:"),
+        ("llama.cpp vs Moonshot", "s--"),
+    )
+    for key, style in ((k, s) for k, s in keys if k in rows[0]):
         ys = [max(r[key], 1e-16) if r[key] is not None else np.nan for r in rows]
         ax.plot(range(len(rows)), ys, style, label=key)
     ax.set_xticks(range(len(rows)), names, rotation=45, fontsize="small")
     ax.set_yscale("log")
     ax.set_ylabel("NMSE against Moonshot")
     ax.set_title("the text model three ways, layer by layer")
+    ax.legend(fontsize="small")
+    return fig
+
+
+def variant_sizes(rows: list[dict[str, Any]], lossless: int) -> Figure:
+    """Each variant's size (``explore.variants.sizes``) against the lossless set's, with its bits per weight."""
+    fig = Figure(figsize=(7.5, 0.45 * len(rows) + 1.4), layout="constrained")
+    ax = fig.subplots()
+    names = [r["variant"] for r in rows]
+    sizes = [r["bytes"] / 1e9 for r in rows]
+    bars = ax.barh(names, sizes, color="tab:blue")
+    ax.axvline(lossless / 1e9, color="tab:red", linestyle="--", label="the lossless set")
+    for bar, r in zip(bars, rows):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {r['bits per weight']:.2f} bits/weight",
+                va="center", fontsize="small")  # fmt: skip
+    ax.invert_yaxis()
+    ax.set_xlabel("size (GB)")
+    ax.set_title("the whole model, per variant")
+    ax.legend(fontsize="small", loc="lower right")
+    return fig
+
+
+BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_K": 5.5, "Q5_1": 6, "Q5_0": 5.5,
+        "Q4_K": 4.5, "Q4_1": 5, "Q4_0": 4.5, "MXFP4": 4.25, "IQ4_XS": 4.25, "IQ4_NL": 4.5, "Q3_K": 3.4375,
+        "IQ3_S": 3.4375, "IQ3_XXS": 3.0625, "Q2_K": 2.625, "IQ2_S": 2.5625, "IQ2_XS": 2.3125, "IQ2_XXS": 2.0625,
+        "IQ1_M": 1.75, "IQ1_S": 1.5625, "TQ2_0": 2.0625, "TQ1_0": 1.6875, "Q1_0": 1.125}  # fmt: skip
+
+
+def variant_choices(choices: dict[str, dict[int, str]], title: str) -> Figure:
+    """A variant's types, tensor kind by layer (``explore.variants.choices``), coloured by bits per weight."""
+    kinds = sorted(choices)
+    layers = sorted({k for c in choices.values() for k in c})
+    grid = np.full((len(kinds), len(layers)), np.nan)
+    for i, kind in enumerate(kinds):
+        for j, layer in enumerate(layers):
+            if layer in choices[kind]:
+                grid[i, j] = BITS.get(choices[kind][layer], np.nan)
+    fig = Figure(figsize=(min(14, 2 + 0.14 * len(layers) + 4), 0.3 * len(kinds) + 1.6), layout="constrained")
+    ax = fig.subplots()
+    im = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
+    ax.set_yticks(range(len(kinds)), kinds, fontsize="small")
+    ax.set_xlabel("layer")
+    step = max(1, len(layers) // 16)
+    ax.set_xticks(range(0, len(layers), step), [layers[k] for k in range(0, len(layers), step)])
+    fig.colorbar(im, ax=ax, label="bits per weight")
+    ax.set_title(title)
+    return fig
+
+
+def variant_errors(rows: list[dict[str, Any]], title: str) -> Figure:
+    """Relative RMS error of each quantised tensor per variant (``explore.variants.layer_errors``)."""
+    tensors = list(dict.fromkeys(r["tensor"] for r in rows))
+    labels = list(dict.fromkeys(r["variant"] for r in rows))
+    fig = Figure(figsize=(8, 0.32 * len(tensors) * max(1, len(labels) / 2) + 1.4), layout="constrained")
+    ax = fig.subplots()
+    height = 0.8 / max(len(labels), 1)
+    for k, label in enumerate(labels):
+        got = {r["tensor"]: r["rel_rmse"] for r in rows if r["variant"] == label}
+        ys = [i + k * height for i, t in enumerate(tensors) if t in got]
+        ax.barh(ys, [got[t] for t in tensors if t in got], height=height, label=label)
+    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(tensors))], [t.split(".", 2)[-1] for t in tensors],
+                  fontsize="small")  # fmt: skip
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("relative RMS error against the lossless tensor")
+    ax.set_title(title)
     ax.legend(fontsize="small")
     return fig

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # (imported where used: `k3lab --help` loads no numpy, gguf o
 
 MODELS = {"kimi-k3": "k3lab.kimi_k3.model"}  # --model NAME -> its module; a module path works too
 Say = Callable[[str], None]
+HUB_FLAGS = {"scratch": "--repo", "revision": "--repo", "keep_source": "--repo", "retry_budget": "--repo or --push-to"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,7 @@ class Request:
         """Every value checked as the CLI checks it (a notebook makes a Request directly)."""
         values.count(self.jobs, 1, values.MAX_JOBS, "--jobs")
         if self.scheduler and self.jobs != 1:
-            raise K3LabError(
-                "--jobs and --scheduler both say where to run: give one (Dask workers set their own)"
-            )
+            raise K3LabError("--jobs and --scheduler both say where to run: give one (workers set their own)")
         for flag in ("retry_budget", "commit_every"):
             if getattr(self, flag) is not None:
                 values.seconds(getattr(self, flag), "--" + flag.replace("_", "-"))
@@ -88,9 +87,9 @@ class Request:
         Hub downloads go to ``scratch`` (``--scratch``, else the one given: the output folder's)."""
         if self.repo and self.src:
             raise K3LabError("--repo and --src name two sources: give one")
-        for flag in ("scratch", "revision", "keep_source", "retry_budget"):
-            if getattr(self, flag) not in (None, False) and not self.repo:
-                raise K3LabError(f"--{flag.replace('_', '-')} is for streaming from the Hub: it needs --repo")
+        for flag, needs in HUB_FLAGS.items():  # (publishing spends a retry budget too)
+            if getattr(self, flag) not in (None, False) and not (self.repo or self.push_to and "push" in needs):  # fmt: skip
+                raise K3LabError(f"--{flag.replace('_', '-')} is for the Hub: it needs {needs}")
         if self.meta is None:
             raise K3LabError("--meta: give the folder of config.json, the index and the tokenizer files")
         model = self.load_model()
@@ -98,14 +97,13 @@ class Request:
             from k3lab.pipeline.hub.env import hub_env
             from k3lab.pipeline.sources.hub import hub_spec
 
-            env = hub_env()
             return hub_spec(
                 self.meta,
                 self.repo,
                 revision=self.revision,
                 scratch=self.scratch or scratch,
-                endpoint=env.endpoint,
-                token=env.token,
+                endpoint=hub_env().endpoint,
+                token=hub_env().token,
                 keep_source=self.keep_source,
                 retry_budget=self.retry_budget,
                 meta_files=model.meta_files,
@@ -202,15 +200,17 @@ def plan(req: Request, say: Say | None = None) -> Any:
         )
 
 
-def convert(req: Request, say: Say | None = None, run_token: str | None = None) -> list[Any]:
-    """Convert the requested output files (published when asked): ``k3lab convert``."""
+def convert(
+    req: Request, say: Say | None = None, run_token: str | None = None, variants: tuple = ()
+) -> list[Any]:
+    """Convert the requested files (published when asked), and ``variants`` of each: ``k3lab convert``."""
     from k3lab.pipeline.running.runner import convert_shards
 
     if not req.out_dir:
         raise K3LabError("--out-dir: give the folder to write the set into")
     spec = req.output_source()
     options, line = req.run_options()
-    options = dataclasses.replace(options, note=line or None)  # (said once the inputs are checked)
+    options = dataclasses.replace(options, note=line or None, variants=variants)  # (note: once checked)
     return convert_shards(
         req.load_model(),
         spec,
@@ -252,10 +252,9 @@ def verify(
     seed: int | None = None,
     source_revision: str | None = None,
 ) -> Any:
-    """Check the set in ``out_dir``: a folder, or a Hub repo (``ORG/NAME``, read by ranges at the
-    request's ``revision``; the source's is then ``source_revision``); with a source, re-derive it.
-    The tensors whose bytes are checked: ``every``, ``sample`` per file (``seed``), those matching
-    ``tensors`` (a folder: every one when none of these is given; a repo: none)."""
+    """Check the set in ``out_dir``: a folder, or a Hub repo (``ORG/NAME``, by ranges at ``revision``;
+    the source's: ``source_revision``); with a source, re-derive it. The tensors whose bytes are checked:
+    ``every``, ``sample`` per file (``seed``), those matching ``tensors`` (a folder: all; a repo: none)."""
     import random
 
     from k3lab.pipeline.checking.hub_set import Choice
@@ -365,20 +364,22 @@ def _check(req: Request, name: str, *args: Any, source: Any = None) -> Any:
 
 def batch(
     req: Request,
-    notebook: str,
+    notebook: str | None,
     workers: int,
     run_id: str | None,
     runs_dir: str,
     timeouts: tuple[float, float] | None = None,
 ) -> tuple[Path, list]:
     """``notebook`` once per requested output file with papermill, as part of one run holding the
-    folder: ``k3lab batch``. ``timeouts``: (per cell, per notebook) seconds."""
+    folder: ``k3lab batch``; ``notebook`` by default 03's. ``timeouts``: (per cell, per notebook) seconds."""
     import time
     import uuid
 
+    from k3lab.explore.paths import CONVERT_NOTEBOOK, notebook_path
     from k3lab.pipeline.running.batch import CELL_TIMEOUT, NOTEBOOK_TIMEOUT, declared_parameters
     from k3lab.pipeline.running.runner import run_notebooks
 
+    notebook = str(notebook_path(notebook or CONVERT_NOTEBOOK))  # (an old name runs as its new one)
     if not Path(notebook).is_file():
         raise K3LabError(f"{notebook}: notebook not found (the repository's are in notebooks/)")
     declared_parameters(notebook)  # (before anything is written: one that cannot run per file is refused)

@@ -13,6 +13,7 @@ from pathlib import Path
 from k3lab import request
 from k3lab.pipeline.state.names import PLAN_NAME, STATE_DIR
 from k3lab.pipeline.state.record import MANIFEST_NAME
+from k3lab.pipeline.writing.single import beside_names
 from k3lab.request import Request
 
 SPLIT = "1M"  # the tiny model as a split set of a few files (its default is one file)
@@ -60,8 +61,12 @@ def markdown() -> str:
         req = Request(meta=str(src), out_dir=str(out), split_max_size=SPLIT, quiet=True)
         req.load_model().guide.demo(src, 0)
         request.convert(req)
-        request.vision(req, str(out / "mmproj-Kimi-K3-BF16.gguf"))
-        request.tokenizer(req, str(out / "tokenizer-Kimi-K3.gguf"))
+        model = req.load_model()
+        names = beside_names(
+            model, model.default_basename, model.load_config(src)
+        )  # (as publishing names them)
+        request.vision(req, str(out / names["mmproj"]))
+        request.tokenizer(req, str(out / names["tokenizer"]))
         tree = _tree(out)
         manifest = json.loads((out / MANIFEST_NAME).read_text())
         plan_text = (out / STATE_DIR / PLAN_NAME).read_text().split("\n", 1)[1]

@@ -146,12 +146,18 @@ def output_files(chosen: str | None, n: int) -> list[int]:
     return sorted(out)
 
 
+REPO_FOLDER = re.compile(f"{_NAME}/{_NAME}(?:/{_NAME})?")  # a repo, or a folder of it (a variant's)
+
+
 def is_repo(target: str) -> bool:
-    """Whether ``verify``'s target is a Hub repo (``ORG/NAME`` that is no local folder). ORG/NAME
-    where ORG is a local folder can only be a misspelt path: one line, naming what is there."""
+    """Whether ``verify``'s target is a Hub repo (``ORG/NAME``, or ``ORG/NAME/FOLDER``: a variant's
+    folder in it, that is no local folder). ORG/NAME where ORG is a local folder can only be a
+    misspelt path: one line, naming what is there."""
     path = Path(target)
-    if path.exists() or not REPO_ID.fullmatch(target):
+    if path.exists() or not REPO_FOLDER.fullmatch(target):
         return False
+    if target.count("/") == 2:
+        path = Path(target.split("/", 1)[0] + "/" + target.split("/")[1])
     if path.parent.is_dir() and not path.parent.is_symlink():
         there = sorted(p.name for p in list(path.parent.iterdir())[:1000] if p.is_dir())[:8]
         raise K3LabError(

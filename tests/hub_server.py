@@ -187,6 +187,7 @@ class HubServer:
         self.uploads: list[str] = []  # oids PUT, in order
         self.commit_log: list[tuple[str, str, list[str]]] = []  # (repo, commit, paths) of pushed commits
         self.upload_faults = False  # every third PUT answers 500 (huggingface_hub retries it)
+        self.token_requests: list[tuple[str, str, str]] = []  # Xet token requests: (method, path, User-Agent)
         self.uplink_dead = False  # every PUT answers 500 (downloads, the API and commits still work)
         self.private: set[str] = set()  # repos made private: unseen without the token
         self._puts = 0
@@ -400,6 +401,7 @@ class HubServer:
             return self.cas.handle(h, "HEAD" if head else "GET", path, b"")
         token = re.fullmatch(r"/api/models/(?P<repo>[^/]+/[^/]+)/xet-(?:read|write)-token/(?P<rev>.+)", path)
         if token:
+            self.token_requests.append(("GET", path, h.headers.get("User-Agent", "")))
             return self._resolve(h, token["repo"], "main") and self.cas.token(h)
         tree = re.fullmatch(r"/api/models/(?P<repo>[^/]+/[^/]+)/tree/(?P<rev>[^/]+)(?:/(?P<path>.*))?", path)
         if tree:

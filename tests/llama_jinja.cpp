@@ -7,7 +7,12 @@
 #include "jinja/lexer.h"
 #include "jinja/parser.h"
 #include "jinja/runtime.h"
-#include "json.h"
+#if __has_include("json.h")
+#include "json.h"  // upstream's wrapper of nlohmann's ordered_json
+#else
+#include <nlohmann/json.hpp>  // an older tree (unsloth's fork): nlohmann's own
+using common_json = nlohmann::ordered_json;
+#endif
 
 #include <cstdio>
 #include <cstdlib>

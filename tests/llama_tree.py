@@ -8,7 +8,11 @@ in pieces the tests need, cached under ``~/.cache/k3lab/upstream-judge/``:
   renders one context per input line, as ``common_chat_template`` parses a template and
   ``common_chat_template_direct_apply`` renders it (about 40 s to build, once);
 - ``llama_server()``: the real ``llama-server`` (``POST /apply-template`` and chat), built with
-  CMake (several minutes on two cores: the slow tests use it).
+  CMake (several minutes on two cores: the slow tests use it);
+- ``llama_quantize()``: the real ``llama-quantize`` (``tools/quantize`` and the pieces of ``common``
+  it uses), linked against the libllama and libggml llama-cpp-python installed (the kernels k3lab
+  calls: about 15 s to build, once);
+- ``llama_imatrix()``: the real ``llama-imatrix`` the same way (all of ``common``: a few minutes, once).
 Nothing of llama.cpp is copied into k3lab.
 """
 
@@ -60,16 +64,38 @@ def vendor_tree() -> Path:
     return vendor
 
 
-def jinja_engine() -> Path:
-    """llama.cpp's Jinja engine behind k3lab's driver, built once per driver source."""
+FORK_ENV = "K3LAB_FORK_TREE"  # a checkout of unsloth's llama.cpp fork (github.com/unslothai/llama.cpp)
+
+
+def fork_tree() -> Path:
+    """unsloth's llama.cpp fork, the one that runs Kimi-K3's vision (its ``kimi-k3-vision-only``
+    branch, edfd4c1; ``K3LAB_FORK_TREE``, else k3lab's judge cache's ``unsloth-llama.cpp``): skipped,
+    loudly, where it is not (nothing fetches it: GitHub is not PyPI)."""
+    tree = Path(os.environ.get(FORK_ENV) or CACHE / "unsloth-llama.cpp")
+    if not (tree / "common" / "jinja" / "parser.cpp").exists():
+        pytest.skip(
+            f"SKIPPED LOUDLY: no unsloth llama.cpp tree at {tree} (git clone -b kimi-k3-vision-only "
+            f"https://github.com/unslothai/llama.cpp and set {FORK_ENV})"
+        )
+    return tree
+
+
+def jinja_engine(tree: Path | None = None) -> Path:
+    """llama.cpp's Jinja engine behind k3lab's driver, built once per driver source and tree (the
+    vendored one by default)."""
     if shutil.which("g++") is None:
         pytest.skip("g++ is not installed: llama.cpp's template engine cannot be built")
-    vendor = vendor_tree()
-    digest = __import__("hashlib").sha256(DRIVER.read_bytes()).hexdigest()[:12]
+    vendor = tree or vendor_tree()
+    engine = sorted((vendor / "common" / "jinja").glob("*.[ch]*"))  # (the tree's engine, by its bytes)
+    digest = (
+        __import__("hashlib").sha256(b"".join(p.read_bytes() for p in [DRIVER, *engine])).hexdigest()[:12]
+    )
     binary = CACHE / f"llama-jinja-{digest}"
     if not binary.exists():
         sources = sorted(str(p) for p in (vendor / "common" / "jinja").glob("*.cpp"))
-        sources += [str(vendor / "common" / "json.cpp"), str(vendor / "common" / "unicode.cpp")]
+        sources += [
+            str(p) for p in (vendor / "common" / "json.cpp", vendor / "common" / "unicode.cpp") if p.exists()
+        ]
         partial = binary.with_suffix(".partial")
         _run(
             ["g++", "-std=c++17", "-O1", "-I", str(vendor / "common"), "-I", str(vendor / "vendor"),
@@ -84,8 +110,8 @@ class JinjaEngine:
     """One llama.cpp engine process per template: ``caps`` (what llama-server derives from the
     template) and ``render(contexts)`` -> per context {"text": ...} or {"error": ...}."""
 
-    def __init__(self, template: str):
-        self.binary = jinja_engine()
+    def __init__(self, template: str, tree: Path | None = None):
+        self.binary = jinja_engine(tree)
         self.template = template.encode()
         self.caps = self._call([])[0]
 
@@ -108,13 +134,20 @@ class JinjaEngine:
         return self._call(contexts)[1:]
 
 
-def llama_server() -> Path:
-    """``llama-server`` of the vendored tree (CPU, no web UI, nothing fetched), built once."""
+def fork_server(target: str = "llama-server") -> Path:
+    """``llama-server`` (or ``llama-mtmd-cli``) of unsloth's fork (``fork_tree``), built once: where
+    K3's vision runs."""
+    return llama_server(fork_tree(), CACHE / "fork-server-build", target)
+
+
+def llama_server(tree: Path | None = None, build: Path | None = None, target: str = "llama-server") -> Path:
+    """``llama-server`` (or another tool, ``target``) of the vendored tree (or ``tree``; CPU, no web
+    UI, nothing fetched), built once."""
     if shutil.which("cmake") is None or shutil.which("g++") is None:
         pytest.skip("cmake or g++ is not installed: llama-server cannot be built")
-    vendor = vendor_tree()
-    build = CACHE / "server-build"
-    binary = build / "bin" / "llama-server"
+    vendor = tree or vendor_tree()
+    build = build or CACHE / "server-build"
+    binary = build / "bin" / target
     if not binary.exists():
         _run(
             ["cmake", "-S", str(vendor), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
@@ -124,7 +157,89 @@ def llama_server() -> Path:
              "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON"]
         )  # fmt: skip
         _run(
-            ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)],
+            ["cmake", "--build", str(build), "--target", target, "-j", str(os.cpu_count() or 2)],
             timeout=3600,
         )
     return binary
+
+
+def _installed_lib() -> Path:
+    """llama-cpp-python's own libllama and libggml (the tools below link against them)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llama-cpp-python is not installed: llama.cpp's tools cannot be built against it")
+    return Path(next(iter(spec.submodule_search_locations))) / "lib"
+
+
+def _tool(name: str, sources: list[Path]) -> Path:
+    """A tool of the vendored tree, compiled (objects in parallel, cached by the sources' names) and
+    linked against llama-cpp-python's libraries."""
+    if shutil.which("g++") is None:
+        pytest.skip(f"g++ is not installed: {name} cannot be built")
+    vendor, lib = vendor_tree(), _installed_lib()
+    digest = __import__("hashlib").sha256(("\n".join(map(str, sources)) + str(lib)).encode()).hexdigest()[:12]
+    binary = CACHE / f"{name}-{digest}"
+    if binary.exists():
+        return binary
+    objs = CACHE / f"{name}-{digest}.objs"
+    objs.mkdir(parents=True, exist_ok=True)
+    info = objs / "build-info.cpp"
+    info.write_text(
+        (vendor / "common" / "build-info.cpp.in").read_text()
+        .replace("@LLAMA_BUILD_NUMBER@", "0").replace("@LLAMA_BUILD_COMMIT@", "llama-cpp-python-0.3.36")
+        .replace("@BUILD_COMPILER@", "g++").replace("@BUILD_TARGET@", "k3lab-tests")
+    )  # fmt: skip
+    includes = ["-I", str(vendor / "include"), "-I", str(vendor / "ggml" / "include"), "-I",
+                str(vendor / "common"), "-I", str(vendor / "vendor")]  # fmt: skip
+    from concurrent.futures import ThreadPoolExecutor
+
+    def compile_one(src: Path) -> Path:
+        obj = objs / (__import__("hashlib").sha256(str(src).encode()).hexdigest()[:16] + ".o")
+        if not obj.exists():
+            part = obj.with_suffix(".part")
+            _run(["g++", "-std=c++17", "-O1", "-ffunction-sections", "-fdata-sections", *includes, "-c",
+                  str(src), "-o", str(part)], timeout=900)  # fmt: skip
+            os.replace(part, obj)
+        return obj
+
+    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        built = list(pool.map(compile_one, [*sources, info]))
+    partial = binary.with_suffix(".partial")
+    _run(["g++", *map(str, built), f"-L{lib}", "-lllama", "-lggml", "-lggml-base", "-Wl,--gc-sections",
+          f"-Wl,-rpath,{lib}", "-o", str(partial)], timeout=900)  # fmt: skip
+    os.replace(partial, binary)
+    return binary
+
+
+def llama_quantize() -> Path:
+    """``llama-quantize`` of the vendored tree: its own main and quantize.cpp, common's imatrix loader,
+    common.cpp, log.cpp and json.cpp (what it calls), on llama-cpp-python's libllama and libggml."""
+    v = vendor_tree()
+    return _tool(
+        "llama-quantize",
+        [v / "tools" / "quantize" / "main.cpp", v / "tools" / "quantize" / "quantize.cpp"]
+        + [v / "common" / f for f in ("imatrix-loader.cpp", "common.cpp", "log.cpp", "json.cpp")],
+    )
+
+
+def llama_imatrix() -> Path:
+    """``llama-imatrix`` of the vendored tree, on llama-cpp-python's libraries (all of ``common``)."""
+    v = vendor_tree()
+    common = sorted(p for d in ("", "jinja", "parsers") for p in (v / "common" / d).glob("*.cpp"))
+    return _tool(
+        "llama-imatrix",
+        [v / "tools" / "imatrix" / "imatrix.cpp", v / "vendor" / "cpp-httplib" / "httplib.cpp"]
+        + [p for p in common if p.name != "llguidance.cpp"],
+    )
+
+
+def quantize_like_llama(first: Path, out: Path, ftype: str, *flags: str, keep_split: bool = True) -> str:
+    """``llama-quantize [--keep-split] --allow-requantize FLAGS FIRST OUT FTYPE``; its log."""
+    cmd = [str(llama_quantize()), *(["--keep-split"] if keep_split else []), "--allow-requantize", *flags,
+           str(first), str(out), ftype]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=1800)
+    if done.returncode:
+        pytest.fail(f"llama-quantize {ftype} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    return done.stdout + done.stderr

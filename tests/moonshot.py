@@ -80,11 +80,13 @@ def modeling() -> types.SimpleNamespace:
     return moonshot_forward.modules()
 
 
-def build(raw: dict[str, Any], seed: int = 0, dtype: str = "bfloat16") -> Any:
+def build(raw: dict[str, Any], seed: int = 0, dtype: str = "bfloat16", init: str = "fan-in") -> Any:
     """A ``KimiK3ForConditionalGeneration`` made from config.json's dict by Moonshot's classes, its
-    weights drawn from ``seed`` (norms near one, matrices N(0, 1/sqrt(fan_in)), the KDA log-decays as
-    Moonshot initialises them), in ``dtype``; the vision tower's attention set to eager (its only CPU
-    path)."""
+    weights drawn from ``seed``, in ``dtype``; the vision tower's attention set to eager (its only CPU
+    path). ``init``: ``fan-in`` (norms near one, matrices N(0, 1/sqrt(fan_in)), the KDA log-decays as
+    Moonshot initialises them), or ``transformers`` (the classes' own initialisation, untouched: small
+    matrices, so the KDA q/k and the MLA latents have small norms and an epsilon shows), or ``large``
+    (fan-in, the q/k/latent projections scaled up 30x: large norms, an epsilon vanishes)."""
     import torch
 
     m = modeling()
@@ -93,7 +95,15 @@ def build(raw: dict[str, Any], seed: int = 0, dtype: str = "bfloat16") -> Any:
     torch.manual_seed(seed)
     with torch.no_grad():
         net = m.model.KimiK3ForConditionalGeneration(cfg)
-        for name, p in net.named_parameters():
+        for name, p in net.named_parameters() if init == "transformers" else ():
+            # transformers' own scale (Moonshot's _init_weights, which llmcompressor's copy skips): every
+            # matrix N(0, initializer_range), the conv kernels too; norms one, A_log as the class draws
+            # it, every other vector (dt_bias, the router's bias) zero
+            if p.dim() >= 2:
+                p.normal_(0.0, float(raw["text_config"].get("initializer_range", 0.02)))
+            elif not name.endswith(("norm.weight", "norm0.weight", "norm1.weight", "A_log")):
+                p.zero_()
+        for name, p in net.named_parameters() if init != "transformers" else ():
             if name.endswith(
                 ("norm.weight", "norm0.weight", "norm1.weight", "layernorm.weight", "o_norm.weight")
             ):
@@ -105,6 +115,9 @@ def build(raw: dict[str, Any], seed: int = 0, dtype: str = "bfloat16") -> Any:
             else:
                 fan_in = p[0].numel()
                 p.copy_(torch.randn_like(p, dtype=torch.float32) / fan_in**0.5)
+            if init == "large" and name.endswith(("q_proj.weight", "k_proj.weight", "kv_a_proj_with_mqa.weight",
+                                                  "q_a_proj.weight")):  # fmt: skip
+                p.mul_(30.0)
     net = net.to(getattr(torch, dtype))
     for layer in net.vision_tower.encoder.blocks:
         layer.attn_implementation = "eager"

@@ -159,6 +159,10 @@ class XetCas:
         self.by_sha: dict[str, str] = {}  # SHA-256 -> Xet hash
         self.received = {"xorbs": 0, "shards": 0, "chunk_headers": 0}
         self.trickle = self.dead = self.garbage = self.huge = self.refuse = False
+        self.token_answer: str | None = None  # "huge" or "slow": the Hub's token answer (see ``token``)
+        self.token_wait, self.token_life = 600.0, 3600
+        self.tokens_given = self.token_bytes_sent = 0
+        self.valid_tokens: set[str] = {"xet-token"}
         self.outage_at_xorb = 0.0  # seconds of outage that the first xorb upload starts (mid-transfer)
         self.posts = 0
         self.resent: list[str] = []  # xorbs uploaded again though the CAS held them
@@ -167,13 +171,34 @@ class XetCas:
 
     # --- what the Hub says about a Xet file --------------------------------------------------------
     def token(self, h: Any) -> None:
-        exp = int(time.time()) + 3600
-        body = json.dumps({"accessToken": "xet-token", "exp": exp, "casUrl": f"{self.hub.url}/cas"}).encode()
+        """The Hub's Xet token answer; ``token_answer`` "huge" (200 MB of JSON), "slow" (nothing for
+        ``token_wait`` seconds), else a token of ``token_life`` seconds (a new one each time, the
+        CAS taking any token it gave out)."""
+        with self.lock:
+            self.tokens_given += 1
+            access = f"xet-token-{self.tokens_given}"
+            self.valid_tokens.add(access)
+        if self.token_answer == "slow":
+            time.sleep(self.token_wait)
+        exp = int(time.time()) + self.token_life
+        body = json.dumps({"accessToken": access, "exp": exp, "casUrl": f"{self.hub.url}/cas"}).encode()
         h.send_response(200)
         h.send_header("Content-Type", "application/json")
         h.send_header("X-Xet-Cas-Url", f"{self.hub.url}/cas")
-        h.send_header("X-Xet-Access-Token", "xet-token")
+        h.send_header("X-Xet-Access-Token", access)
         h.send_header("X-Xet-Token-Expiration", str(exp))
+        if self.token_answer == "huge":  # a JSON string of 200 MB, sent a MiB at a time
+            filler, n = b"x" * (1 << 20), 200
+            head = body[:-1] + b', "pad": "'
+            h.send_header("Content-Length", str(len(head) + n * len(filler) + 2))
+            h.end_headers()
+            try:
+                for part in (head, *[filler] * n, b'"}'):
+                    h.wfile.write(part)
+                    self.token_bytes_sent += len(part)
+            except OSError:  # (the client stopped reading: as it should)
+                pass
+            return
         h.send_header("Content-Length", str(len(body)))
         h.end_headers()
         h.wfile.write(body)
@@ -204,7 +229,8 @@ class XetCas:
         with self.lock:
             self.requests.append((method, path))
         route = path[len("/cas") :]
-        if h.headers.get("Authorization") != "Bearer xet-token" and not route.startswith("/xorb/"):
+        given = h.headers.get("Authorization", "").removeprefix("Bearer ")
+        if given not in self.valid_tokens and not route.startswith("/xorb/"):
             return self.hub._error(h, 401, "", "no or a wrong Xet token")
         if method == "POST" and route.startswith(("/v1/xorbs/", "/v1/shards")):
             with self.lock:  # (the Hub's upload faults hold for its CAS too: a dead uplink, every third 500)

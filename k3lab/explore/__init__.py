@@ -4,7 +4,8 @@ Every function reads a checkpoint (or a converted set) and returns rows, arrays 
 live in ``plots.py`` and the story in ``notebooks/``. One module per job: ``paths`` (where a
 notebook's paths start, where it writes its result), ``opening`` (a checkpoint and its plan, through
 the same request as the CLI), ``layouts`` (01), ``scales`` (02, 03), ``vision`` and ``chat`` (04), ``sets``
-(05), ``forwards`` (05: Moonshot's forward, the reference and llama.cpp, layer by layer), ``tables`` (HTML tables), ``live`` (controls and the view they drive), ``parameters`` (a
+(05), ``forwards`` (05: Moonshot's forward, the reference and llama.cpp, layer by layer), ``variants``
+(06: what each quantised variant does), ``tables`` (HTML tables), ``live`` (controls and the view they drive), ``parameters`` (a
 notebook's parameters checked as the CLI checks flags). A notebook imports ``k3lab.explore`` and finds them all here.
 """
 
@@ -34,6 +35,14 @@ from k3lab.explore.parameters import check_index, check_parameters
 from k3lab.explore.paths import HOME_ENV, home, resolve, save_result
 from k3lab.explore.sets import manifest_summary, repo_summary, verify
 from k3lab.explore.tables import html_table
+from k3lab.explore.variants import (
+    choices,
+    kl_divergence,
+    layer_errors,
+    make_variants,
+    open_variants,
+    sizes,
+)
 from k3lab.kimi_k3.explore.chat import chat_differences, chat_three_ways, marked_html, tokens_html
 from k3lab.kimi_k3.explore.forwards import Forwards, three_forwards
 from k3lab.kimi_k3.explore.scales import (
@@ -91,4 +100,10 @@ __all__ = [
     "verify",
     "vision_blocks",
     "weight_stats",
+    "choices",
+    "kl_divergence",
+    "layer_errors",
+    "make_variants",
+    "open_variants",
+    "sizes",
 ]

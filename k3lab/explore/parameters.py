@@ -91,6 +91,25 @@ def _text(optional: bool = False, limit: int = MAX_TEXT) -> Callable[[Any], str 
     return check
 
 
+def _names(value: Any) -> str | None:
+    """Variants: llama-quantize's types or k3lab's recipes (each checked where it is built)."""
+    ok = isinstance(value, (list, tuple)) and 0 < len(value) <= 16
+    return (
+        None
+        if ok and all(isinstance(v, str) and 0 < len(v) <= 64 for v in value)
+        else ("give a list of 1 to 16 types or recipes (e.g. ['Q2_K', 'MoE-Q2_K'])")
+    )
+
+
+def _experts(value: Any) -> str | None:
+    ok = isinstance(value, (list, tuple)) and 0 < len(value) <= 16
+    return (
+        None
+        if ok and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+        else ("give a list of 1 to 16 expert numbers from 0")
+    )
+
+
 RULES: dict[str, Callable[[Any], str | None]] = {
     "src": _path(),
     "meta": _path(),
@@ -115,6 +134,11 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "text": _text(),
     "tensor": _text(optional=True, limit=1024),
     "run_token": _text(optional=True, limit=128),
+    "types": _names,
+    "imatrix": _text(optional=True, limit=4096),
+    "layer": _whole(0),
+    "experts": _experts,
+    "kl": _flag,
 }
 
 

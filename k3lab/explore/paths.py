@@ -31,3 +31,16 @@ def save_result(result: dict[str, Any], path: str | Path | None) -> None:
     """What a notebook computed, for tests and batch runs, into a file (never printed on the page)."""
     if path:
         Path(path).write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
+
+
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"  # the checkout's notebooks
+CONVERT_NOTEBOOK = NOTEBOOKS / "03-convert-a-file.ipynb"  # `k3lab batch`'s default
+RENAMED = {"03-convert-shard.ipynb": "03-convert-a-file.ipynb"}  # old name -> new, for users' batch commands
+
+
+def notebook_path(given: str | Path) -> Path:
+    """A notebook to run, as given; a repository notebook's old name (``RENAMED``) as its new one, so
+    that a ``k3lab batch --notebook`` given 03's old name (``03-convert-shard.ipynb``) before the rename runs."""
+    path = Path(given)
+    renamed = path.with_name(RENAMED.get(path.name, path.name))
+    return renamed if not path.exists() and renamed != path and renamed.is_file() else path

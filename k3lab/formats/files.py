@@ -95,6 +95,13 @@ def read_chunks(
             total += len(chunk)
             if total > limit:
                 raise InputFileError(f"{path}: more than {limit} bytes; a {what} is not this large")
+            if total > size:
+                # procfs, sysfs and the like say 0 (or less than they yield) and make their bytes as
+                # they are read: /proc/self/environ would be the process's environment, tokens and all
+                raise InputFileError(
+                    f"{path}: yields more than the {size} bytes its size says (a file the kernel makes"
+                    f" as it is read?); a {what} is a plain file"
+                )
             yield chunk
     except OSError as e:
         raise InputFileError(f"{path}: cannot read the {what} ({e.strerror or e})") from None

@@ -30,6 +30,7 @@ MAX_ITEMS = 1 << 23  # strings and arrays inside arrays, over the whole header
 MAX_NESTING = 8  # arrays of arrays (llama.cpp reads none; gguf-py writes them)
 MAX_COUNT = 1 << 40  # scalars in one array (they are skipped by length, never one by one)
 MAX_DIMS = 8
+MAX_KEPT_STRINGS = 1024  # strings of an array kept (read) whole; a longer one is walked past
 _SCALAR = {
     GGUFValueType.UINT8: "<B",
     GGUFValueType.INT8: "<b",
@@ -137,6 +138,9 @@ def _value(c: _Cursor, vtype: int, keep: bool, budget: _Budget) -> Any:
         return _scalar(c, vtype)
     stack: list[tuple[int, int]] = []  # (item type, items left) of each array open
     itype, count = _array_head(c)
+    if keep and itype == GGUFValueType.STRING and count <= MAX_KEPT_STRINGS:  # (an imatrix's datasets)
+        budget.spend(count)
+        return [c.string() for _ in range(count)]
     stack.append((itype, count))
     while stack:
         itype, left = stack.pop()

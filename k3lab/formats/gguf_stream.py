@@ -91,6 +91,16 @@ def split_kvs(split_no: int, split_count: int, tensors_total: int) -> list[KV]:
     ]
 
 
+def _raw_string(kv: KV) -> Any:
+    """A string value as its bytes go into the file (not UTF-8: kept in a ``str`` as surrogate escapes)."""
+    if kv.type == GGUFValueType.STRING and isinstance(kv.value, str):
+        try:
+            kv.value.encode("utf-8")
+        except UnicodeEncodeError:
+            return kv.value.encode("utf-8", errors="surrogateescape")
+    return kv.value
+
+
 PIECES_IN_FLIGHT = 2  # pieces the writer may still be hashing or writing while the producer makes the next
 WRITEBACK_STEP = 64 * 1024 * 1024  # bytes written between writeback requests
 
@@ -109,12 +119,14 @@ def _claim(partial: Path) -> None:
 
 
 class GGUFStream:
-    """Write one GGUF file: ``with GGUFStream(path, arch, kvs, infos) as g: g.write(name, pieces)``."""
+    """Write one GGUF file: ``with GGUFStream(path, arch, kvs, infos) as g: g.write(name, pieces)``.
+    ``arch``: general.architecture, written first; None: exactly the keys ``kvs`` lists, in order.
+    ``infos``: anything with a name, a GGML type (its number), a shape (numpy order) and its bytes."""
 
     def __init__(
         self,
         path: str | os.PathLike,
-        arch: str,
+        arch: str | None,
         kvs: Sequence[KV],
         infos: Sequence[TensorInfo],
         before_commit: Callable[[], None] | None = None,
@@ -138,11 +150,13 @@ class GGUFStream:
         self._turn = 0
         self._lent: tuple[np.ndarray, np.ndarray, int] | None = None  # (piece, its block, lead) last lent
         self.hashes: dict[str, str] = {}
-        self._writer = GGUFWriter(self.partial, arch)
+        self._writer = GGUFWriter(self.partial, arch or "")
+        if arch is None:  # the keys exactly as given (a split file of llama-quantize's has no architecture)
+            self._writer.kv_data[0].pop(Keys.General.ARCHITECTURE, None)
         for kv in kvs:
-            if kv.key == Keys.General.ARCHITECTURE:
+            if kv.key == Keys.General.ARCHITECTURE and arch is not None:
                 continue  # GGUFWriter adds it
-            self._writer.add_key_value(kv.key, kv.value, kv.type, sub_type=kv.sub_type)
+            self._writer.add_key_value(kv.key, _raw_string(kv), kv.type, sub_type=kv.sub_type)
         for ti in self.infos:
             # the placeholder dtype only tells GGUFWriter "not raw bytes": shape is taken as given
             self._writer.add_tensor_info(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -111,6 +112,89 @@ def _kernel() -> Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None:
     return numba.njit(cache=True, nogil=True, boundscheck=False)(_repack_words)
 
 
+WARM_WINDOW = 1 << 20
+
+
+def warm_kernel() -> None:
+    """Ask the kernel for numba's and llvmlite's files (``posix_fadvise`` WILLNEED, on a thread of its
+    own), without importing them: loading the kernel from a cold page cache reads 0.2 GB of them
+    (llvmlite's library is 179 MB) and every installed package's ``entry_points.txt`` (numba looks
+    for extensions), 0.5 s on an idle disk and over three times that beside a conversion's own reads
+    and writes, which the first expert then waits for. A run asks before it plans; a process that
+    converts no MXFP4 tensor still never imports numba."""
+    import importlib.util
+    import os
+
+    def ask(path: str) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:
+            return
+        try:  # (Linux reads at most the readahead window per call: asked a window at a time)
+            for at in range(0, os.fstat(fd).st_size, WARM_WINDOW):
+                os.posix_fadvise(fd, at, WARM_WINDOW, os.POSIX_FADV_WILLNEED)
+        except OSError:  # (a hint only: what is not read ahead is read when the kernel loads)
+            pass
+        finally:
+            os.close(fd)
+
+    def warm() -> None:
+        tag, installed = sys.implementation.cache_tag, set()
+        for name in ("llvmlite", "numba"):
+            spec = importlib.util.find_spec(name)
+            if spec is None or not spec.submodule_search_locations:
+                continue
+            package = next(iter(spec.submodule_search_locations))
+            installed.add(os.path.dirname(package))
+            for folder, _, files in os.walk(package):
+                for f in files:
+                    if f.endswith(".so") or (f.endswith(".pyc") and tag in f and "tests" not in folder):
+                        ask(os.path.join(folder, f))
+        for folder in installed:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    if entry.name.endswith(".dist-info"):
+                        ask(os.path.join(entry.path, "entry_points.txt"))
+
+    with _loading_lock:
+        if _warming or _kernel.cache_info().currsize or not hasattr(os, "posix_fadvise"):
+            return
+        _warming.append(threading.Thread(target=warm, name="k3lab-mxfp4-warm", daemon=True))
+    _warming[0].start()
+
+
+_loading: list[threading.Thread] = []  # the kernel being loaded in the background (``load_kernel``)
+_warming: list[threading.Thread] = []  # its files being asked for (``warm_kernel``): once a process
+_loading_lock = threading.Lock()
+
+
+def load_kernel() -> None:
+    """Load the compiled kernel now, on a thread of its own (numba's import and its cached code take
+    ~0.4 s): a task starts it before its header is written, so the loading overlaps the header and
+    the disk's first reads instead of following them. The first repack waits for it."""
+    with _loading_lock:
+        if _loading or _kernel.cache_info().currsize:
+            return
+
+        def load() -> None:
+            kernel = _kernel()
+            if kernel is not None:  # (a first call loads the machine code numba keeps on disk)
+                kernel(np.zeros(2, np.uint64), np.zeros(1, np.uint8), np.zeros(BLOCK_BYTES, np.uint8))
+
+        thread = threading.Thread(target=load, name="k3lab-mxfp4-kernel", daemon=True)
+        _loading.append(thread)
+        thread.start()
+
+
+def _loaded_kernel() -> Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None:
+    """The kernel, once ``load_kernel``'s thread has loaded it (repacking the first pieces with numpy
+    meanwhile, 0.56 GB/s against the kernel's 6 and beside a thread holding the interpreter, made a
+    real-size layer file slower: 1.7-2.2 s against 1.4-1.6 s)."""
+    if _loading:
+        _loading[0].join()
+    return _kernel()
+
+
 def repack_into(
     packed: np.ndarray, scale: np.ndarray, out: np.ndarray | memoryview, what: str = "tensor"
 ) -> None:
@@ -124,7 +208,7 @@ def repack_into(
     src = np.ascontiguousarray(packed).reshape(-1)
     sc = np.ascontiguousarray(scale).reshape(-1)
     kernel = (
-        _kernel()
+        _loaded_kernel()
         if dst.flags.c_contiguous and src.ctypes.data % 8 == 0 and sys.byteorder == "little"
         else None
     )

@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -121,54 +120,72 @@ def _compiled(text: str) -> Any:
 
 def check(text: str, origin: str | Path) -> None:
     """A template given to embed must be Jinja and render something for a one-message chat; one line
-    naming ``origin`` otherwise. It renders in a process of its own, bounded in time and memory (a
-    template is a program: one can loop for ever or build a string of any size)."""
-    from jinja2 import TemplateSyntaxError
+    naming ``origin`` otherwise. It is parsed and rendered in a process of its own, bounded in time,
+    memory and recursion (a template is a program: one can loop for ever, build a string of any size,
+    or nest deeper than a parser recurses), isolated from the folder k3lab runs in."""
+    _check_once(hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest(), text, str(origin))
+
+
+@functools.lru_cache(maxsize=8)
+def _check_once(digest: str, text: str, origin: str) -> None:
+    from k3lab.children import python_command
 
     try:
-        environment().parse(text)
-    except TemplateSyntaxError as e:
-        raise ChatTemplateError(f"{origin}: not a Jinja template (line {e.lineno}: {e.message})") from None
-    try:
         done = subprocess.run(
-            [sys.executable, "-c", _RENDER_ONE, str(RENDER_MEMORY)],
-            input=text.encode(),
+            python_command(_RENDER_ONE, str(RENDER_MEMORY)),
+            input=text.encode("utf-8", "surrogatepass"),
             capture_output=True,
             timeout=RENDER_TIMEOUT,
-            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+            env=child_environment(),
         )
     except subprocess.TimeoutExpired:
         raise ChatTemplateError(
-            f"{origin}: the chat template renders no one-message chat within {RENDER_TIMEOUT:.0f} s"
+            f"{origin}: the chat template is not parsed and rendered for a one-message chat within"
+            f" {RENDER_TIMEOUT:.0f} s"
         ) from None
-    answer = done.stdout.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+    answer = done.stdout[-4096:].decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
     if done.returncode or not answer[0].startswith("{"):
+        said = done.stderr[-4096:].decode("utf-8", "replace").strip().splitlines() or ["it stopped"]
         raise ChatTemplateError(
-            f"{origin}: the chat template cannot render a one-message chat "
-            f"({(done.stderr.decode('utf-8', 'replace').strip().splitlines() or ['it stopped'])[-1][:200]})"
+            f"{origin}: the chat template cannot render a one-message chat ({said[-1][:200]})"
         )
     result = json.loads(answer[0])
+    if "syntax" in result:
+        raise ChatTemplateError(f"{origin}: not a Jinja template ({result['syntax'][:200]})")
     if "error" in result:
         raise ChatTemplateError(
             f"{origin}: the chat template fails on a one-message chat ({result['error'][:200]})"
         )
-    if not result["text"].strip():
+    if not result.get("chars"):
         raise ChatTemplateError(f"{origin}: the chat template renders nothing for a one-message chat")
 
 
-# the child of ``check``: the template on stdin, one JSON line out ({"text"} or {"error"})
+def child_environment() -> dict[str, str]:
+    """What a child that runs a stranger's template sees of the environment: nothing of the user's
+    (no token, no PYTHON* setting), a locale and a path."""
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C.UTF-8"}
+
+
+# the child of ``check``: the template on stdin, one JSON line out ({"chars"}, {"syntax"} or {"error"});
+# k3lab's own folder comes first in its path (the child runs isolated: ``k3lab.children``)
 _RENDER_ONE = f"""
 import json, resource, sys
 limit = int(sys.argv[1])
 with open("/proc/self/statm") as statm:  # (the address space taken so far, in pages)
     used = int(statm.read().split()[0]) * resource.getpagesize()
 resource.setrlimit(resource.RLIMIT_AS, (used + limit,) * 2)
-from k3lab.kimi_k3.chat import render
-text = sys.stdin.buffer.read().decode("utf-8")
+from jinja2 import TemplateSyntaxError
+from k3lab.kimi_k3.chat import environment, render
+text = sys.stdin.buffer.read().decode("utf-8", "surrogatepass")
 try:
-    out = {{"text": render({ONE_MESSAGE!r}, text, add_generation_prompt=True)}}
+    environment().parse(text)
+    out = {{"chars": len(render({ONE_MESSAGE!r}, text, add_generation_prompt=True).strip())}}
+except TemplateSyntaxError as e:
+    out = {{"syntax": f"line {{e.lineno}}: {{e.message}}".replace(chr(10), " ")}}
 except MemoryError:
     out = {{"error": "it takes more than 1 GiB"}}
+except RecursionError:
+    out = {{"error": "it nests deeper than Python's parser recurses"}}
 except Exception as e:
     out = {{"error": f"{{type(e).__name__}}: {{e}}".replace(chr(10), " ")}}
 print(json.dumps(out))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3lab.errors import K3LabError
+from k3lab.errors import K3LabError, printable
 
 
 class ConfigError(K3LabError):
@@ -158,7 +158,8 @@ def _check_quantization(q: dict[str, Any], where: str, path: str) -> None:
         return
     if not isinstance(groups, dict):
         raise ConfigError(f"{path}: {where}.config_groups is not an object")
-    for name, group in groups.items():
+    for key_name, group in groups.items():
+        name = printable(str(key_name))  # (a stranger's key: said, never sent to the terminal raw)
         w = group.get("weights") if isinstance(group, dict) else None
         if not isinstance(w, dict):
             raise ConfigError(f"{path}: {where}.config_groups.{name}.weights is missing or not an object")

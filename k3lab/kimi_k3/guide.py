@@ -44,9 +44,12 @@ def _check_logits(
     threshold: float,
     mode: str,
     judge: str | None = None,
+    generate: int = 0,
 ) -> tuple[Any, Any]:
     from k3lab.kimi_k3 import moonshot_forward
-    from k3lab.kimi_k3.logits import check_logits, check_stages, judge_moonshot
+    from k3lab.kimi_k3.generation import check_generation
+    from k3lab.kimi_k3.logits import check_logits, check_stages
+    from k3lab.kimi_k3.moonshot_judge import judge_moonshot, runtime_effect
 
     if judge == "moonshot" and (why := moonshot_forward.missing()) is not None:
         raise K3LabError(f"check-logits --judge moonshot: {why}")  # (said before llama.cpp runs)
@@ -54,6 +57,11 @@ def _check_logits(
     stages = check_stages(source, gguf, report.tokens, mode)
     if judge == "moonshot":
         stages.moonshot = judge_moonshot(source, report.tokens)
+        stages.runtime = runtime_effect(source, report.tokens, mode, list(stages.moonshot))
+    if generate:
+        lm = moonshot_forward.text_model(source) if judge == "moonshot" else None
+        theirs = (lambda t: moonshot_forward.forward(lm, t)[0]) if lm is not None else None
+        stages.generation = check_generation(gguf, report.tokens, generate, theirs)
     return report, stages
 
 

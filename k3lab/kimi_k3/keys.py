@@ -141,9 +141,7 @@ def model_kvs(
     """Everything the first file of a split set (or the standalone tokenizer GGUF) carries besides
     the split keys: general.*, every kimi-k3.* hyperparameter and the tokenizer. ``chat_template``
     (a template's text) replaces the source's own; ``size`` is the size label."""
-    vocab = build_vocabulary(meta_dir, cfg)
-    if chat_template is not None:
-        vocab.chat_template = chat_template
+    vocab = build_vocabulary(meta_dir, cfg, chat_template)
     return general(cfg, name, file_type, size) + hyperparameters(cfg) + vocab.kvs()
 
 

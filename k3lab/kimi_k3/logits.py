@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from k3lab.errors import K3LabError
 from k3lab.kimi_k3.config import K3Config
+from k3lab.kimi_k3.moonshot_judge import JUDGE_THRESHOLD
 from k3lab.kimi_k3.reference import Reference, rms_norm
 from k3lab.pipeline.sources.base import Source
 
@@ -143,9 +145,6 @@ def check_logits(
 # stays near 1e-6 (the worst seen over every checkpoint kind in the tests is in the README). A wrong
 # transform moves whole rows, heads or experts: NMSE 1e-2 and up. 1e-4 sits two decades from each.
 STAGE_THRESHOLD = 1e-4
-# Moonshot's forward and the reference both in float32, on the same weights: only accumulation order
-# parts them (2e-10 measured on the tests' checkpoints); a misreading moves whole rows (1e-2 and up)
-JUDGE_THRESHOLD = 1e-6
 ROUTER_MARGIN = 1e-4  # a different expert choice counts only where the reference's choice is this clear
 
 
@@ -153,16 +152,24 @@ ROUTER_MARGIN = 1e-4  # a different expert choice counts only where the referenc
 class StageReport:
     rows: list[tuple[str, float, str]]  # (llama.cpp tensor, max NMSE over positions, what it checks)
     threshold: float = STAGE_THRESHOLD
-    # with --judge moonshot: per stage, the reference (float32) against Moonshot's own forward
+    # with --judge moonshot: per stage, the reference with Moonshot's semantics against Moonshot's own
+    # forward (a failure past JUDGE_THRESHOLD), and what llama.cpp's own choices do to Moonshot's
+    # forward there, with the deviations that do it (information: ``moonshot_judge``)
     moonshot: dict[str, float] | None = None
+    runtime: Any = None  # ``moonshot_judge.RuntimeEffect``
+    generation: Any = None  # ``generation.Generation``: decoding token by token, judged per position
 
     @property
     def failed(self) -> list[str]:
         bad = [name for name, nmse, _ in self.rows if not nmse <= self.threshold]
         if self.moonshot:
             bad += [
-                f"{name} (Moonshot)" for name, nmse in self.moonshot.items() if not nmse <= JUDGE_THRESHOLD
+                f"{name} (k3lab's reference against Moonshot's forward)"
+                for name, nmse in self.moonshot.items()
+                if not nmse <= JUDGE_THRESHOLD
             ]
+        if self.generation is not None and self.generation.failed:
+            bad.append(f"generation (decode against prefill: median {self.generation.median:.2e})")
         return bad
 
     @property
@@ -173,21 +180,32 @@ class StageReport:
         judged = self.moonshot is not None
         lines = [
             f"{'stage (llama.cpp tensor)':<30} {'max NMSE':>10}"
-            + (f" {'Moonshot':>10}" if judged else "")
+            + (f" {'Moonshot':>10} {'runtime':>10}" if judged else "")
             + "  checks"
         ]
         for name, nmse, checks in self.rows:
-            other = (self.moonshot or {}).get(name)
+            other = _judged(self.moonshot, name)
+            moved = _judged(self.runtime.stages if self.runtime is not None else None, name)
             bad = not nmse <= self.threshold or (other is not None and not other <= JUDGE_THRESHOLD)
-            column = (f" {other:>10.3e}" if other is not None else f" {'':>10}") if judged else ""
+            column = ""
+            if judged:
+                column = f" {other:>10.3e}" if other is not None else f" {'':>10}"
+                column += f" {moved[0]:>10.3e}" if moved is not None else f" {'':>10}"
+            cause = f"  (runtime: {moved[1]})" if moved is not None and moved[1] != "none" else ""
             if every or bad:
-                lines.append(f"{name:<30} {nmse:>10.3e}{column}  {checks}{'  <-- FAIL' if bad else ''}")
+                lines.append(
+                    f"{name:<30} {nmse:>10.3e}{column}  {checks}{cause}{'  <-- FAIL' if bad else ''}"
+                )
         if judged:
             worst = max(self.moonshot.values(), default=0.0)
             lines.append(
-                f"Moonshot's own forward (float32, fla's references) against the reference (float32): "
-                f"{len(self.moonshot)} stages, worst {worst:.2e} (threshold {JUDGE_THRESHOLD:g})"
+                f"Moonshot's own forward (float32, fla's references) against the reference with Moonshot's "
+                f"semantics: {len(self.moonshot)} stages, worst {worst:.2e} (threshold {JUDGE_THRESHOLD:g})"
             )
+            lines += self.runtime.lines() if self.runtime is not None else []
+        if self.generation is not None:
+            lines += [self.generation.table()] if every else []
+            lines.append(self.generation.summary())
         name, nmse, _ = self.worst
         wrong = sum(1 for _, v, _ in self.rows if not v <= self.threshold)
         lines.append(
@@ -196,6 +214,16 @@ class StageReport:
             + (f"; first wrong: {self.failed[0]}" if self.failed else "")
         )
         return "\n".join(lines)
+
+
+def _judged(found: dict[str, Any] | None, name: str) -> Any:
+    """A judged stage by llama.cpp's row name (a banked layer's attention is its ``prefix_sum_attn``)."""
+    if not found:
+        return None
+    if name.startswith("prefix_sum_attn-"):
+        il = name.rsplit("-", 1)[1]
+        return found.get(f"kda_out-{il}", found.get(f"mla_out-{il}"))
+    return found.get(name)
 
 
 def _nmse(want: np.ndarray, have: np.ndarray) -> float:
@@ -341,18 +369,3 @@ def _router_disagreement(ref: Reference, il: int, x: np.ndarray, selected: np.nd
     clear = order[:, k - 1] - order[:, k] > ROUTER_MARGIN if scores.shape[1] > k else np.ones(len(x), bool)
     differ = (np.sort(selected, axis=-1) != np.sort(ref.select(il, x), axis=-1)).any(-1) & clear
     return float(differ.mean())
-
-
-def judge_moonshot(source: Source, tokens: list[int]) -> dict[str, float]:
-    """Per stage (each layer's attention and FFN output, and ``result_output``): NMSE of the reference
-    in float32 against Moonshot's own forward (``moonshot_forward``) on the same tokens."""
-    from k3lab.kimi_k3 import moonshot_forward
-
-    if (why := moonshot_forward.missing()) is not None:
-        raise K3LabError(f"check-logits --judge moonshot: {why}")
-    theirs, trace_theirs = moonshot_forward.forward(moonshot_forward.text_model(source), tokens)
-    mine: dict[str, np.ndarray] = {}
-    logits = Reference(K3Config.load(source.meta_dir), source, "f32").logits(tokens, mine)
-    out = {name: _nmse(trace_theirs[name], mine[name]) for name in trace_theirs if name in mine}
-    out["result_output"] = _nmse(theirs, logits)
-    return out

@@ -165,5 +165,6 @@ MMPROJ = SingleFileModel(
     layout=vision_layout,
     kvs=mmproj_kvs,
     check_config=K3Config.check_vision,
-    file_name="mmproj-{basename}-BF16.gguf",
+    file_name="mmproj-{basename}-{type}.gguf",  # (as publishers name it: mmproj-BF16.gguf)
+    type_name=source_dtype,  # (what mmproj_kvs says its file type is)
 )

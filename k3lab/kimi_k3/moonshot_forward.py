@@ -55,7 +55,7 @@ def missing() -> str | None:
         absent.append("fla-core")
     if absent:
         return f"the Moonshot judge needs {', '.join(absent)}: pip install 'k3lab[judge]'"
-    if moonshot.folder() is None or not (moonshot.folder() / "modeling_kimi_linear.py").is_file():
+    if not moonshot.complete():
         return moonshot.missing().replace("encoding_k3.py", "modeling code")
     return None
 

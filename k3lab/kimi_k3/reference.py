@@ -11,6 +11,11 @@ sharp: the input of a matmul with a BF16 weight is rounded to BF16, of an MXFP4 
 to Q8_0 (32-value blocks, F16 scale), and, with ``kv_type="f16"`` (llama.cpp's default cache),
 MLA attention reads Q, K, V and the probabilities in F16. Which weights are BF16, F32 or MXFP4
 comes from the rule table.
+
+Two semantics. ``runtime`` names the epsilons taken as llama.cpp's graph takes them
+(``runtime.EPSILONS``, the default: the KDA q/k L2 norm and the MLA q_a/kv_a norms with the model's
+``rms_norm_eps``); an epsilon not named is Moonshot's (1e-6). ``runtime=()`` with ``mode="f32"`` is
+Moonshot's forward exactly; the default with ``mode="ggml"`` is the graph llama.cpp runs.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from k3lab.formats import mxfp4
 from k3lab.formats.numerics import bf16_bits_to_f32, f32_to_bf16_bits
 from k3lab.kimi_k3.config import K3Config
 from k3lab.kimi_k3.rules import RULES, rule_applies
+from k3lab.kimi_k3.runtime import EPSILONS, KDA_L2_EPS, MLA_NORM_EPS, MOONSHOT_EPS
 
 LM = "language_model."
 
@@ -143,7 +149,14 @@ def _runtime_types(cfg: K3Config, source: Any) -> dict[str, str]:
 
 
 class Reference:
-    def __init__(self, cfg: K3Config, source: Any, mode: str = "ggml", kv_type: str = "f32"):
+    def __init__(
+        self,
+        cfg: K3Config,
+        source: Any,
+        mode: str = "ggml",
+        kv_type: str = "f32",
+        runtime: tuple[str, ...] = EPSILONS,
+    ):
         if mode not in ("f32", "ggml"):
             raise ValueError(f"mode {mode!r}: 'f32' or 'ggml'")
         self.cfg, self.mode, self.kv_type = cfg, mode, kv_type
@@ -151,6 +164,8 @@ class Reference:
         self.types = _runtime_types(cfg, source) if mode == "ggml" else {}
         t = cfg.text
         self.eps = float(t["rms_norm_eps"])
+        self.l2_eps = self.eps if KDA_L2_EPS.name in runtime else MOONSHOT_EPS
+        self.mla_eps = self.eps if MLA_NORM_EPS.name in runtime else MOONSHOT_EPS
         self.beta, self.lbeta = float(t["activation_situ_beta"]), float(t["activation_situ_linear_beta"])
         self.block = int(t["attn_res_block_size"])
 
@@ -213,8 +228,8 @@ class Reference:
             return out.reshape(T, nh, hd)
 
         q, k, v = conv("q"), conv("k"), conv("v")
-        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + self.eps)
-        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + self.eps)
+        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + self.l2_eps)
+        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + self.l2_eps)
         g1 = (self.lin(self.lin(x, p + "f_a_proj.weight"), p + "f_b_proj.weight") + w(p + "dt_bias")).reshape(
             T, nh, hd
         )
@@ -245,12 +260,12 @@ class Reference:
         T, nh = x.shape[0], self.cfg.n_head
         nope, rope, vd, kvl = t["qk_nope_head_dim"], t["qk_rope_head_dim"], t["v_head_dim"], t["kv_lora_rank"]
         if t.get("q_lora_rank") is not None:
-            qa = rms_norm(self.lin(x, p + "q_a_proj.weight"), self.eps, w(p + "q_a_layernorm.weight"))
+            qa = rms_norm(self.lin(x, p + "q_a_proj.weight"), self.mla_eps, w(p + "q_a_layernorm.weight"))
             q = self.lin(qa, p + "q_b_proj.weight").reshape(T, nh, nope + rope)
         else:
             q = self.lin(x, p + "q_proj.weight").reshape(T, nh, nope + rope)
         ckv = self.lin(x, p + "kv_a_proj_with_mqa.weight")
-        latent = rms_norm(ckv[:, :kvl], self.eps, w(p + "kv_a_layernorm.weight"))
+        latent = rms_norm(ckv[:, :kvl], self.mla_eps, w(p + "kv_a_layernorm.weight"))
         k_pe = ckv[:, kvl:]  # shared by all heads; NoPE: no rotation
         kv_b = w(p + "kv_b_proj.weight").reshape(nh, nope + vd, kvl)
         kind = self.types.get(LM + p + "kv_b_proj.weight", "f32")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import binascii
 import functools
-import hashlib
 import itertools
 import os
 from dataclasses import dataclass, field
@@ -26,8 +25,8 @@ from pathlib import Path
 from gguf import GGUFValueType, Keys, TokenType
 
 from k3lab.errors import K3LabError
-from k3lab.formats.bpe_merges import cached_merge_ranks
-from k3lab.formats.files import InputFileError, cache_home, read_bounded, read_json, read_text, within
+from k3lab.formats.bpe_merges import bpe_merge_ranks
+from k3lab.formats.files import InputFileError, read_bounded, read_json, read_text, within
 from k3lab.formats.gguf_stream import KV
 from k3lab.kimi_k3 import chat
 from k3lab.kimi_k3.config import K3Config
@@ -54,7 +53,6 @@ KIMI_PAT_STR = "|".join(
 
 
 TOKENIZER_LIMIT = 64 * 1024 * 1024  # the real tiktoken.model is ~2.5 MB
-MERGES_FOLDER = "bpe-merges"  # in k3lab's cache: a vocabulary's merges, by its file's SHA-256
 TEMPLATE_LIMIT = 4 * 1024 * 1024
 
 
@@ -160,12 +158,12 @@ def chat_template_choice(meta_dir: str | Path, flag: str | Path | None = None) -
     fetched = (meta_dir / "tokenizer_config.json").is_file()
     if fetched:
         _, tok_cfg = read_specials(meta_dir / "tokenizer_config.json")
-        own = source_chat_template(meta_dir, tok_cfg)
+        own = checked_source_chat_template(meta_dir, tok_cfg) if flag is None else None
     else:  # (not fetched from the Hub yet)
         tok_cfg, own = {}, None
     if flag is not None:
         text = given_chat_template(flag)
-        replacing = ", replacing the source's own" if own else ""
+        replacing = ", replacing the source's own" if _ships_template(meta_dir, tok_cfg) else ""
         return text, f"chat template: {flag} (--chat-template{replacing})"
     if own is not None:
         where = "tokenizer_config.json" if tok_cfg.get("chat_template") else "chat_template.jinja"
@@ -177,11 +175,32 @@ def chat_template_choice(meta_dir: str | Path, flag: str | Path | None = None) -
 
 
 def source_chat_template(meta_dir: Path, tok_cfg: dict) -> str | None:
-    """The checkpoint's own chat template: ``tokenizer_config.json``'s, else ``chat_template.jinja``."""
+    """The checkpoint's own chat template: ``tokenizer_config.json``'s, else ``chat_template.jinja``,
+    held to the bound a template file is held to (one line past it)."""
     if tok_cfg.get("chat_template"):
-        return tok_cfg["chat_template"]
+        text = tok_cfg["chat_template"]
+        if len(text.encode("utf-8", "surrogatepass")) > TEMPLATE_LIMIT:
+            raise TokenizerError(
+                f"{meta_dir / 'tokenizer_config.json'}: chat_template is more than {TEMPLATE_LIMIT} bytes;"
+                " a chat template is not this large"
+            )
+        return text
     path = meta_dir / "chat_template.jinja"
     return read_chat_template(path, inside=meta_dir) if os.path.lexists(path) else None
+
+
+def _ships_template(meta_dir: Path, tok_cfg: dict) -> bool:
+    return bool(tok_cfg.get("chat_template")) or os.path.lexists(meta_dir / "chat_template.jinja")
+
+
+def checked_source_chat_template(meta_dir: Path, tok_cfg: dict) -> str | None:
+    """The checkpoint's own chat template, checked as one given by flag is (it renders a one-message
+    chat in a bounded process of its own) before it is embedded."""
+    text = source_chat_template(meta_dir, tok_cfg)
+    if text is not None:
+        where = "tokenizer_config.json" if tok_cfg.get("chat_template") else "chat_template.jinja"
+        chat.check(text, meta_dir / where)
+    return text
 
 
 def read_specials(path: str | Path) -> tuple[dict[int, str], dict]:
@@ -286,8 +305,11 @@ class Vocabulary:
         return kvs
 
 
-def build_vocabulary(meta_dir: str | Path, cfg: K3Config | None = None) -> Vocabulary:
-    """Read the tokenizer files in ``meta_dir`` and build the GGUF vocabulary."""
+def build_vocabulary(
+    meta_dir: str | Path, cfg: K3Config | None = None, chat_template: str | None = None
+) -> Vocabulary:
+    """Read the tokenizer files in ``meta_dir`` and build the GGUF vocabulary; ``chat_template`` (a
+    template's text, checked by its giver) replaces the checkpoint's own, which is checked here."""
     meta_dir = Path(meta_dir)
     cfg = cfg or K3Config.load(meta_dir)
     ranked = read_tiktoken(meta_dir / "tiktoken.model")
@@ -304,12 +326,10 @@ def build_vocabulary(meta_dir: str | Path, cfg: K3Config | None = None) -> Vocab
             f"vocab_size {n_vocab} of {cfg.path}"
         )
     as_unicode = tokens_to_unicode(ranked)
-    # a merge's two parts are themselves ranked tokens, so their strings are already made; the
-    # merges of a vocabulary are derived once and kept in k3lab's cache, by the file's SHA-256
-    key = hashlib.sha256(
-        read_bounded(meta_dir / "tiktoken.model", TOKENIZER_LIMIT, "tiktoken.model")
-    ).hexdigest()
-    pairs = cached_merge_ranks(ranked, key, cache_home() / MERGES_FOLDER)
+    # a merge's two parts are themselves ranked tokens, so their strings are already made. The
+    # merges are derived every time (0.3 s for Kimi-K3's vocabulary, warm): a cache of them saved
+    # less than it cost to prove an entry is what the derivation gives (docs/benchmarks.md)
+    pairs = bpe_merge_ranks(ranked)
     merges = list(map(" ".join, ((as_unicode[a], as_unicode[b]) for a, b in pairs)))
     tokens = as_unicode + [f"[PAD{i}]" for i in range(len(ranked), n_vocab)]
     types = [TOKEN_NORMAL] * len(ranked) + [TOKEN_UNUSED] * (n_vocab - len(ranked))
@@ -333,7 +353,8 @@ def build_vocabulary(meta_dir: str | Path, cfg: K3Config | None = None) -> Vocab
         eos_id=pick("eos_token_id", "eos_token"),  # K3: <|end_of_msg|>, the end of a turn
         pad_id=pick("pad_token_id", "pad_token"),
         unk_id=special_id("unk_token"),
-        # the checkpoint's own, else k3lab's: Kimi-K3 ships its chat format only as Python
-        chat_template=source_chat_template(meta_dir, tok_cfg) or chat.template(),
+        # the one given, else the checkpoint's own, else k3lab's: Kimi-K3 ships its chat format only
+        # as Python
+        chat_template=chat_template or checked_source_chat_template(meta_dir, tok_cfg) or chat.template(),
         specials=specials,
     )

@@ -123,7 +123,8 @@ class SingleFileModel:
     layout: Callable[[Any], dict[str, TensorSpec]]
     kvs: Callable[[Any, Path], list[KV]]  # (config, meta folder) -> its metadata
     check_config: Callable[[Any], None]  # one line when the config cannot describe it
-    file_name: str = "{basename}-{key}.gguf"  # its name beside a set of that basename
+    file_name: str = "{basename}-{key}.gguf"  # its name beside a set of that basename, and {type}:
+    type_name: Callable[[Any], str] | None = None  # config -> its file type's name (the mmproj's: BF16, F32)
 
 
 @dataclass(frozen=True)

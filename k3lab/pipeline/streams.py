@@ -17,7 +17,7 @@ reader decides where bytes come from (mapped pages of the shard, dropped with th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -94,6 +94,8 @@ class Stream:
     memory: Callable[[TensorJob], int]
     doc: str
     fixed: int = 0  # paid once per process that runs this stream (compiled code)
+    load: Callable[[], None] | None = None  # starts loading that code in the background (a task's start)
+    warm: Callable[[], None] | None = None  # asks for that code's files, loading nothing (a run's start)
 
 
 def _slab_rows(src: SourceTensor) -> int:
@@ -187,10 +189,26 @@ STREAMS = {
         Stream("rows", _rows_pieces, _rows_memory, "a slab of rows at a time"),
         Stream("each", _each_pieces, _each_memory, "one source after another"),
         # numba and its compiled repack kernel: 63 MiB measured on x86-64 (`benchmarks/run.py fullscale`)
-        Stream("mxfp4", _mxfp4_pieces, _mxfp4_memory, "one expert repacked at a time", fixed=63 << 20),
+        Stream(
+            "mxfp4",
+            _mxfp4_pieces,
+            _mxfp4_memory,
+            "one expert repacked at a time",
+            fixed=63 << 20,
+            load=mxfp4.load_kernel,
+            warm=mxfp4.warm_kernel,
+        ),  # fmt: skip
         Stream("whole", _whole_pieces, _whole_memory, "all sources read whole, transformed once"),
     )
 }
+
+
+def load_streams(transforms: Iterable[Transform], warm: bool = False) -> None:
+    """Start what the transforms' streams load before their first piece (numba's MXFP4 kernel), each
+    on a thread of its own, once per process; ``warm``: only ask for its files (``Stream.warm``)."""
+    for stream in {t.stream.name: t.stream for t in transforms}.values():
+        if (start := stream.warm if warm else stream.load) is not None:
+            start()
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from conftest import (
 
 from k3lab.cli import main
 
-NOTEBOOK = str(ROOT / "notebooks" / "03-convert-shard.ipynb")
+NOTEBOOK = str(ROOT / "notebooks" / "03-convert-a-file.ipynb")
 
 
 def _batch_args(src: Path, out: Path, runs: Path, run_id: str) -> list[str]:
@@ -188,6 +188,32 @@ def test_batch_runs_the_looking_notebooks_per_output_file(tiny_src: Path, tmp_pa
             assert "MoE layers shown: [2];" in _printed(second) and "hold no" not in _printed(second)
 
 
+def test_the_convert_notebooks_old_name_still_runs(
+    tiny_src: Path, tiny_out: Path, tmp_path: Path, capsys
+) -> None:
+    """03 was 03-convert-shard.ipynb (a shard is a source file): a batch command written before the
+    rename runs the renamed notebook, and without --notebook it is the default."""
+    from k3lab.explore.paths import CONVERT_NOTEBOOK, notebook_path
+
+    old = ROOT / "notebooks" / "03-convert-shard.ipynb"
+    assert not old.exists() and notebook_path(old) == CONVERT_NOTEBOOK == Path(NOTEBOOK)
+    assert (
+        notebook_path(tmp_path / "03-convert-shard.ipynb") == tmp_path / "03-convert-shard.ipynb"
+    )  # (not ours)
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    args = _batch_args(tiny_src, out, runs, "old-name")
+    args[args.index("--notebook") + 1] = str(old)
+    assert main([*args, "--files", "2"]) == 0, capsys.readouterr()
+    assert "1 ok, 0 failed" in capsys.readouterr().out
+    (executed,) = (runs / "old-name").glob("file-*.ipynb")
+    ran = json.loads(executed.read_text())["cells"]
+    assert [c["source"] for c in ran if "injected-parameters" not in c["metadata"].get("tags", [])] == [
+        c["source"] for c in json.loads(Path(NOTEBOOK).read_text())["cells"]
+    ]
+    made = out / "Kimi-K3-MXFP4-00002-of-00009.gguf"
+    assert made.read_bytes() == (tiny_out / made.name).read_bytes()
+
+
 def test_batch_refuses_a_notebook_it_cannot_run_per_file(tiny_src: Path, tmp_path: Path, capsys) -> None:
     out, runs = tmp_path / "out", tmp_path / "runs"
     args = _batch_args(tiny_src, out, runs, "x")
@@ -203,7 +229,7 @@ def test_batch_refuses_a_notebook_it_cannot_run_per_file(tiny_src: Path, tmp_pat
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and name in err[0] and said in err[0], err
     untagged = tmp_path / "untagged.ipynb"
-    nb = json.loads((ROOT / "notebooks" / "03-convert-shard.ipynb").read_text())
+    nb = json.loads((ROOT / "notebooks" / "03-convert-a-file.ipynb").read_text())
     for cell in nb["cells"]:
         cell["metadata"].pop("tags", None)
     untagged.write_text(json.dumps(nb))

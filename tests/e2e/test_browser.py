@@ -33,7 +33,7 @@ SHOTS = Path(tempfile.mkdtemp(prefix="k3lab-screenshots-"))
 PICTURES = {
     "01-tensor-layouts.ipynb": 0,
     "02-mxfp4-scales.ipynb": 3,
-    "03-convert-shard.ipynb": 1,
+    "03-convert-a-file.ipynb": 1,
     "04-vision-and-tokenizer.ipynb": 1,
     "05-verify-a-run.ipynb": 1,
 }

@@ -35,12 +35,14 @@ def test_the_docs_give_their_commands_in_bash_blocks() -> None:
         "docs/converting.md",
         "docs/publishing.md",
         "docs/notebooks.md",
+        "docs/variants.md",
     } <= set(where), where
 
 
 def test_every_bash_block_of_the_readme_and_docs_runs_as_written_after_the_demo(tmp_path: Path) -> None:
     bin_dir = str(Path(sys.executable).parent)
     shutil.copytree(ROOT / "notebooks", tmp_path / "notebooks")  # (the blocks run at the repository's root)
+    shutil.copytree(ROOT / "tests" / "data", tmp_path / "tests" / "data")  # (the variants page's imatrix)
     demo = subprocess.run(
         [sys.executable, "-m", "k3lab.cli", "demo"], cwd=tmp_path, capture_output=True, text=True, timeout=600
     )

@@ -41,3 +41,27 @@ def test_the_pages_say_the_real_models_figures(real_plan) -> None:
     _says("docs/converting.md", files, human_bytes(stream), human_bytes(peak))
     _says("docs/publishing.md", human_bytes(stream + 2 * largest_file))  # two shards' worth and two files
     _says("docs/benchmarks.md", human_bytes(stream))
+
+
+def test_the_pages_say_the_real_models_variants(full_src, tmp_path_factory) -> None:
+    """The variants' sizes and bits per weight the pages give are what `k3lab quantize --dry-run` makes
+    of the plan of the real headers now."""
+    import math
+
+    from llama_support import HAVE_LLAMA
+
+    if not HAVE_LLAMA:
+        pytest.skip("the variants' plans need llama.cpp's ggml (llama-cpp-python)")
+    from k3lab.variants import VariantRequest, forecast
+
+    out = tmp_path_factory.mktemp("full-plan")
+    request.plan(Request(meta=str(full_src[0]), out_dir=str(out)))
+    asked = "MXFP4-Q8_0,MoE-Q3_K,MoE-Q2_K,Q2_K,MoE-IQ2_XXS,IQ2_XXS,MoE-IQ1_S"
+    for vp in forecast(Request(out_dir=str(out)), VariantRequest(asked)):
+        weights = sum(math.prod(t.ne) for f in vp.files for t in f.tensors)
+        row = f"| `{vp.label}` | {human_bytes(vp.nbytes)} | {8 * vp.nbytes / weights:.3f} |"
+        _says("docs/variants.md", row)
+        if vp.label in ("MXFP4-Q8_0", "MoE-Q2_K", "MoE-IQ2_XXS", "MoE-IQ1_S"):
+            _says("README.md", f"| `{vp.label}` | {human_bytes(vp.nbytes)} |")
+        if vp.label in ("MXFP4-Q8_0", "MoE-IQ1_S"):  # the smallest and the largest
+            _says("docs/running.md", f"{human_bytes(vp.nbytes)} (`{vp.label}`)")

@@ -5,6 +5,8 @@ line naming them."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import re
 import shlex
 from pathlib import Path
 
@@ -45,7 +47,13 @@ def test_version_is_the_packages() -> None:
 def test_the_examples_run_verbatim_after_the_demo(tmp_path: Path) -> None:
     """Each subcommand's example, from a fresh folder where `k3lab demo` ran (those that need the Hub,
     a browser, llama.cpp or minutes of notebooks aside)."""
-    assert run_cli(None, "demo", cwd=tmp_path, timeout=600).returncode == 0
+    demo = run_cli(None, "demo", cwd=tmp_path, timeout=600)
+    assert demo.returncode == 0, demo.stderr[-2000:]
+    if importlib.util.find_spec("llama_cpp") is not None:  # a chat turn, through the set's own template
+        lines = demo.stdout.splitlines()
+        at = lines.index("  user: Hello! Who are you?")
+        # the reply as Python's repr: quoted either way, never empty
+        assert re.fullmatch(r"  assistant: (['\"]).+\1", lines[at + 1]), lines
     skip = {"publish", "lab", "batch", "check-logits", "demo"}
     for name, example in EXAMPLES.items():
         if name in skip:

@@ -12,7 +12,7 @@ from notebook_runs import NOTEBOOKS, images_of, result_of, run_notebook
 
 
 def test_notebooks_are_stored_clean_and_parameterised() -> None:
-    assert len(NOTEBOOKS) == 5
+    assert len(NOTEBOOKS) == 6
     for path in NOTEBOOKS:
         nb = json.loads(path.read_text())
         code = [c for c in nb["cells"] if c["cell_type"] == "code"]
@@ -90,7 +90,7 @@ def test_02_mxfp4_scales(tiny_src: Path, tmp_path: Path) -> None:
 def test_03_convert_shard(tiny_src: Path, tiny_one: Path, tmp_path: Path) -> None:
     r = result_of(
         run_notebook(
-            "03-convert-shard.ipynb",
+            "03-convert-a-file.ipynb",
             tmp_path,
             meta=str(tiny_src),
             src=str(tiny_src),
@@ -130,12 +130,41 @@ def test_04_vision_and_tokenizer(tiny_src: Path, tmp_path: Path) -> None:
 
 def test_05_verify_a_run(tiny_src: Path, tiny_out: Path, tmp_path: Path) -> None:
     r = result_of(run_notebook("05-verify-a-run.ipynb", tmp_path, out_dir=str(tiny_out), src=str(tiny_src)))
-    three = {k: r.pop(k) for k in ("reference_vs_moonshot", "llama_vs_moonshot_first")}
+    three = {
+        k: r.pop(k) for k in ("reference_vs_moonshot", "llama_vs_moonshot_first", "choices_vs_moonshot_first")
+    }
     assert r == {"files": 9, "tensors": 218, "ok": True, "problems": []}
     # the three forwards: k3lab's reference is Moonshot's forward (float32 both); llama.cpp's first
     # layer within its BF16 rounding of matmul inputs
     assert three["reference_vs_moonshot"] < 1e-8, three
     assert 0 < three["llama_vs_moonshot_first"] < 1e-3, three
+    # the runtime's own choices are what parts llama.cpp from Moonshot: its line lies on llama.cpp's
+    assert (
+        abs(three["choices_vs_moonshot_first"] - three["llama_vs_moonshot_first"])
+        < 0.1 * three["llama_vs_moonshot_first"]
+    )
+
+
+def test_06_variants(tiny_src: Path, tiny_out: Path, tmp_path: Path) -> None:
+    """The whole model's size per variant, one layer's tensors quantised and compared, and (llama.cpp
+    installed) the variants made in the set's folder and their KL divergence from the lossless set."""
+    import importlib.util
+    import shutil
+
+    out = tmp_path / "set"
+    shutil.copytree(tiny_out, out)
+    imatrix = str(ROOT / "tests" / "data" / "imatrix-tiny.gguf")
+    r = result_of(run_notebook("06-variants.ipynb", tmp_path, src=str(tiny_src), out_dir=str(out),
+                               types=["Q8_0", "Q2_K", "MoE-Q2_K"], imatrix=imatrix))  # fmt: skip
+    sizes = {s["variant"]: s for s in r["sizes"]}
+    assert list(sizes) == ["Q8_0", "Q2_K", "MoE-Q2_K"] and all(s["files"] == 9 for s in sizes.values())
+    assert sizes["Q2_K"]["bytes"] < sizes["MoE-Q2_K"]["bytes"] < sizes["Q8_0"]["bytes"]
+    errors = {(e["tensor"], e["variant"]): e["rel_rmse"] for e in r["errors"]}
+    down = "blk.1.ffn_down_exps.weight"
+    assert 0 < errors[(down, "Q8_0")] < errors[(down, "Q2_K")] < 1
+    if importlib.util.find_spec("llama_cpp") is not None:
+        assert set(r["kl"]) == {"Q8_0", "Q2_K", "MoE-Q2_K"} and r["kl"]["Q8_0"][0] < r["kl"]["Q2_K"][0]
+        assert (out / "Q2_K" / "Kimi-K3-Q2_K-00001-of-00009.gguf").is_file()
 
 
 def test_notebook_defaults_run_anywhere(tmp_path: Path, monkeypatch) -> None:
@@ -147,7 +176,7 @@ def test_notebook_defaults_run_anywhere(tmp_path: Path, monkeypatch) -> None:
     elsewhere.mkdir()
     r = result_of(run_notebook("05-verify-a-run.ipynb", elsewhere))  # converts the whole demo set first
     assert r["ok"] and r["files"] == 1
-    r = result_of(run_notebook("03-convert-shard.ipynb", elsewhere))  # the same set, not a second checkpoint
+    r = result_of(run_notebook("03-convert-a-file.ipynb", elsewhere))  # the same set, not a second checkpoint
     assert r["verified"] and r["skipped"] and (home / "k3-demo" / "out" / r["file"]).is_file()
     assert not (elsewhere / "k3-demo").exists()
 

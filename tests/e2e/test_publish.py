@@ -438,3 +438,107 @@ def test_a_three_minute_outage_during_uploads_on_dask_and_publish(
         assert sorted(_repo_ggufs(hub, "k3lab-test/Published")) == sorted(
             x.name for x in tiny_out.glob("*.gguf")
         )
+
+
+@needs_llama
+def test_variants_made_on_workers_that_share_nothing_are_published_in_their_folders(
+    private_cluster: tuple[str, list[Path]], tiny_src: Path, tiny_out: Path, tmp_path: Path
+) -> None:
+    """``convert --variants`` on two Dask workers with folders of their own: each worker quantises the
+    file it converted, from its own disk, and uploads both into the repo (the variant into its folder);
+    the imatrix is read from the Hub by ranges. The repo's variant files are byte for byte those of a
+    local ``k3lab quantize``; a snapshot of a variant folder verifies; a second run uploads nothing;
+    ``k3lab quantize --push-to`` adds another variant, and the card lists both with their commands."""
+    address, worker_dirs = private_cluster
+    imatrix = Path(__file__).resolve().parent.parent / "data" / "imatrix-tiny.gguf"
+    (tmp_path / "im").mkdir()
+    shutil.copy(imatrix, tmp_path / "im" / "imatrix.gguf")
+    local = tmp_path / "local"
+    shutil.copytree(tiny_out, local)
+    # (run beside the imatrix: llama-quantize records the path it was given, here the Hub's path too)
+    made = run_cli(None, "quantize", str(local), "--type", "IQ2_XXS,MoE-Q2_K", "--imatrix", "imatrix.gguf", "--quiet",
+                   cwd=tmp_path / "im")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    with HubServer(tiny_src, token=TOKEN) as hub:
+        hub.add_repo("k3lab-test/imatrices", tmp_path / "im")
+        env = _env(hub, tmp_path)
+        # a local imatrix cannot reach workers that share nothing: one line, nothing written
+        r = run_cli(env, *_convert_args(tmp_path, "--push-to", TARGET, "--scheduler", address, "--variants", "IQ2_XXS",
+                                        "--imatrix", str(tmp_path / "im" / "imatrix.gguf")))  # fmt: skip
+        assert r.returncode == 2 and "give ORG/NAME:PATH" in r.stderr and not (tmp_path / "out").exists()
+        args = ("--push-to", TARGET, "--scheduler", address, "--variants", "IQ2_XXS", "--imatrix",
+                "k3lab-test/imatrices:imatrix.gguf", "--quiet")  # fmt: skip
+        r = run_cli(env, *_convert_args(tmp_path, *args))
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "IQ2_XXS: 9 written" in r.stdout, r.stdout
+        files = hub.files_of(TARGET)
+        theirs = {
+            p.split("/")[1]: d for p, d in files.items() if p.startswith("IQ2_XXS/") and p.endswith(".gguf")
+        }
+        mine = {p.name: p.read_bytes() for p in (local / "IQ2_XXS").glob("*.gguf")}
+        assert len(mine) == 9 and theirs == mine
+        assert "IQ2_XXS/MANIFEST.json" in files and ".gguf" not in str(
+            [p for d in worker_dirs for p in d.rglob("*.gguf")]
+        )
+        puts = len(hub.uploads)
+        again = run_cli(env, *_convert_args(tmp_path, *args))
+        assert again.returncode == 0 and "IQ2_XXS: 0 written, 9 already complete" in again.stdout, (
+            again.stdout
+        )
+        assert len(hub.uploads) == puts
+        # another variant, from the local set, into the same repo
+        q = run_cli(
+            env, "quantize", str(local), "--type", "MoE-Q2_K", "--push-to", TARGET, "--keep-local", "--quiet"
+        )
+        assert q.returncode == 0, q.stderr[-3000:]
+        files = hub.files_of(TARGET)
+        pushed = {p for p in files if p.startswith("MoE-Q2_K/")}
+        assert pushed == {f"MoE-Q2_K/{p.name}" for p in (local / "MoE-Q2_K").glob("*.gguf")} | {
+            "MoE-Q2_K/MANIFEST.json"
+        }
+        for p in pushed - {"MoE-Q2_K/MANIFEST.json"}:
+            assert files[p] == (local / p).read_bytes(), p
+        card = files["README.md"].decode()
+        assert (
+            "## Quantised variants" in card and "| `IQ2_XXS` | 9 |" in card and "| `MoE-Q2_K` | 9 |" in card
+        )
+        assert "llama-quantize --keep-split --allow-requantize --tensor-type" in card
+        assert json.loads(files["MoE-Q2_K/MANIFEST.json"])["made_as"].startswith(
+            "llama-quantize --keep-split"
+        )
+        # k3lab quantize on the cluster (the set's folder shared: here one machine's), the same bytes
+        shutil.copytree(local, tmp_path / "shared", ignore=shutil.ignore_patterns("IQ2_XXS", "MoE-Q2_K"))
+        d = run_cli(
+            None,
+            "quantize",
+            str(tmp_path / "shared"),
+            "--type",
+            "MoE-Q2_K",
+            "--scheduler",
+            address,
+            "--quiet",
+        )
+        assert d.returncode == 0 and "MoE-Q2_K: 9 written" in d.stdout, d.stdout + d.stderr
+        assert not _same_files(tmp_path / "shared" / "MoE-Q2_K", local / "MoE-Q2_K")
+        there = run_cli(env, "verify", f"{TARGET}/IQ2_XXS", "--all")
+        assert there.returncode == 0 and "verify OK: 9 files" in there.stdout, there.stdout + there.stderr
+        assert run_cli(env, "verify", TARGET).returncode == 0  # (the set at the top, its variants apart)
+        hub.corrupt.add("IQ2_XXS/Kimi-K3-IQ2_XXS-00004-of-00009.gguf")
+        bad = run_cli(env, "verify", f"{TARGET}/IQ2_XXS", "--all")
+        assert bad.returncode == 1 and "Kimi-K3-IQ2_XXS-00004-of-00009.gguf" in bad.stdout + bad.stderr
+        hub.corrupt.clear()
+        snap = _snapshot(hub, tmp_path, tmp_path / "snap")
+    v = subprocess.run([sys.executable, "-m", "k3lab.cli", "verify", str(snap / "IQ2_XXS"), "--quiet"],
+                       capture_output=True, text=True)  # fmt: skip
+    assert v.returncode == 0 and "verify OK: 9 files" in v.stdout, v.stdout + v.stderr
+    _no_token_on_disk(tmp_path, *worker_dirs)
+
+
+def _same_files(a: Path, b: Path) -> list[str]:
+    """The GGUF files of ``a`` and ``b`` that differ (or are on one side only)."""
+    names = {p.name for p in a.glob("*.gguf")} | {p.name for p in b.glob("*.gguf")}
+    return sorted(
+        n
+        for n in names
+        if not ((a / n).is_file() and (b / n).is_file() and (a / n).read_bytes() == (b / n).read_bytes())
+    )

@@ -105,7 +105,7 @@ def test_notebooks_03_and_04_on_the_hub_read_what_they_show(
     tiny_src: Path, tiny_out: Path, tmp_path: Path, hub_env: HubServer
 ) -> None:
     r3 = _run(
-        "03-convert-shard.ipynb",
+        "03-convert-a-file.ipynb",
         tmp_path,
         meta=str(tmp_path / "meta"),
         repo=REPO,
@@ -352,3 +352,86 @@ def test_verify_on_the_hub_covers_the_files_beside_the_set(
         )
         said = "6 problems: tensors the source re-derives differently (1 files: mmproj-Kimi-K3-BF16.gguf)"
         assert bad.returncode == 1 and said in bad.stdout, bad.stdout + bad.stderr
+
+
+def _strangers(tiny_out: Path, folder: Path) -> list[str]:
+    """Files anyone may add beside a set: named like its file 1 of another count, text, empty, cut
+    short, a header claiming 10^12 keys, thirty valid GGUFs, and a note."""
+    first = sorted(tiny_out.glob("Kimi-K3-*.gguf"))[0].read_bytes()
+    made = {
+        "Kimi-K3-MXFP4-00001-of-00003.gguf": first,  # (a real file 1, of another count)
+        "junk.gguf": b"not a gguf at all\n" * 100,
+        "empty.gguf": b"",
+        "cut.gguf": first[: len(first) // 3],
+        "keys.gguf": b"GGUF" + struct.pack("<IQQ", 3, 0, 10**12),
+        "notes.txt": b"hello\n",
+    }
+    for k in range(30):
+        made[f"valid-{k:02d}.gguf"] = first
+    for name, data in made.items():
+        (folder / name).write_bytes(data)
+    return sorted(made)
+
+
+def test_verify_on_the_hub_checks_the_set_among_strangers(
+    tiny_out: Path, tmp_path: Path, tiny_src: Path
+) -> None:
+    """A repo holding the set, its manifest and 36 strangers (unreadable, empty, cut, absurd, valid, one
+    named like the set's file 1 of another count): the set verifies (exit 0, its 9 files counted, no
+    stranger read), every stranger is named; a flipped byte in the real file 1 is still named as such."""
+    folder = tmp_path / "set"
+    folder.mkdir()
+    for p in list(tiny_out.glob("Kimi-K3-*.gguf")) + [tiny_out / "MANIFEST.json"]:
+        shutil.copy(p, folder / p.name)
+    strangers = _strangers(tiny_out, folder)
+    with HubServer(tiny_src) as hub:
+        hub.add_repo(SET, folder, large=None)
+        env = hub.client_env(tmp_path)
+        before = len(hub.served)
+        ok = run_cli(env, "verify", SET, "--all")
+        assert ok.returncode == 0 and "verify OK: 9 files, 218 tensors" in ok.stdout, ok.stdout + ok.stderr
+        said = next(ln for ln in ok.stdout.splitlines() if ln.startswith("not of the set"))
+        assert f"{len(strangers)} file(s): " in said and all(n in said for n in strangers[:12]), said
+        assert f"and {len(strangers) - 12} more" in said, said
+        read = {p for p, _, _ in hub.served[before:]}
+        assert not read & set(strangers), read & set(strangers)  # (never read)
+        name = sorted(p.name for p in tiny_out.glob("Kimi-K3-*.gguf"))[0]
+        rec = next(
+            f for f in json.loads((tiny_out / "MANIFEST.json").read_text())["files"] if f["file"] == name
+        )
+        data = bytearray(hub.files_of(SET)[name])
+        data[rec["tensors"][0]["offset"]] ^= 0x01
+        hub._new_commit({**hub.files_of(SET), name: bytes(data)}, "flip", SET)
+        bad = run_cli(env, "verify", SET, "--all")
+        assert bad.returncode == 1, bad.stdout + bad.stderr
+        problems = [
+            ln for ln in bad.stdout.splitlines() if not ln.startswith(("not of the set", "verify", "("))
+        ]
+        assert problems == [
+            f"{name}: tensor {rec['tensors'][0]['name']}: SHA-256 differs from the manifest"
+        ], bad.stdout
+
+
+def test_verify_on_the_hub_without_a_manifest_is_not_stopped_by_one_file(
+    tiny_out: Path, tmp_path: Path, tiny_src: Path
+) -> None:
+    """No manifest: every .gguf is taken for the set's, so the unreadable ones are named (exit 1), each
+    on its own; none stops the check of the others, and none replaces the set's file 1."""
+    folder = tmp_path / "set"
+    folder.mkdir()
+    for p in tiny_out.glob("Kimi-K3-*.gguf"):
+        shutil.copy(p, folder / p.name)
+    for name, data in {
+        "junk.gguf": b"text\n" * 10,
+        "empty.gguf": b"",
+        "zz-cut.gguf": b"GGUF\x03\x00",
+    }.items():
+        (folder / name).write_bytes(data)
+    with HubServer(tiny_src) as hub:
+        hub.add_repo(SET, folder, large=None)
+        r = run_cli(hub.client_env(tmp_path), "verify", SET)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    out = r.stdout
+    for name in ("junk.gguf", "empty.gguf", "zz-cut.gguf"):
+        assert any(ln.startswith(f"{name}: ") for ln in out.splitlines()), out
+    assert "verify FAILED: 3 problem(s): 12 files, 218 tensors" in out, out

@@ -243,9 +243,10 @@ def test_overlapping_tensors_and_escapes_in_names(tiny_src: Path, tmp_path: Path
     with pytest.raises(gguf_header.GGUFHeaderError, match="overlap"):
         gguf_header.parse(bytes(data), (), len(data))
     r = _verify(tiny_src, tmp_path, folder)
-    assert r.returncode == 2 and "\x1b" not in r.stdout + r.stderr and "\r" not in r.stderr, repr(r.stderr)
-    (line,) = r.stderr.strip().splitlines()
-    assert "overlap" in line and "attn_q\\x1b[2J\\rweight" in line, line
+    # (the file named as a problem of the set: a file that cannot be read stops no other's check)
+    assert r.returncode == 1 and "\x1b" not in r.stdout + r.stderr and "\r" not in r.stdout, repr(r.stdout)
+    (line,) = [ln for ln in r.stdout.splitlines() if "overlap" in ln]
+    assert line.startswith("Other-F32.gguf: ") and "attn_q\\x1b[2J\\rweight" in line, line
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -56,7 +56,7 @@ def test_every_notebooks_defaults_pass_and_a_typo_is_named() -> None:
             "notebook parameter shard=99: this checkpoint has 1 to 11",
         ),
         ("02-mxfp4-scales.ipynb", {"proj": "w9"}, "notebook parameter proj='w9': give one of w1, w2, w3"),
-        ("03-convert-shard.ipynb", {"file": 0}, "notebook parameter file=0: give a whole number from 1"),
+        ("03-convert-a-file.ipynb", {"file": 0}, "notebook parameter file=0: give a whole number from 1"),
         (
             "04-vision-and-tokenizer.ipynb",
             {"sample_rows": -1, "check": False},
@@ -120,6 +120,14 @@ def test_helpers_never_wrap_an_index(tiny_src: Path, tmp_path: Path) -> None:
         explore.first_block(source, 1, "w2", 0, block=-1)
     with pytest.raises(K3LabError, match="layer 0: no routed experts"):  # (layer 0 is dense)
         explore.expert_codes(source, 0, "w2", 0)
+    for layer, proj, said in (
+        (99, "w2", "layer 99: no routed experts"),
+        (0, "w1", "layer 0: no routed"),
+        (-1, "w3", "layer -1: no routed"),
+        (1, "w4", "proj 'w4': give one of w1, w2, w3"),
+    ):
+        with pytest.raises(K3LabError, match=said):  # (not an empty view)
+            explore.scale_stats(source, layer, proj)
 
 
 def test_a_layers_list_with_no_moe_layer_is_one_line(tiny_src: Path) -> None:

@@ -377,3 +377,29 @@ def test_a_header_read_wrong_that_parses_is_caught_by_the_download_and_forgotten
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").glob("*.gguf")} == {
         p.name: p.read_bytes() for p in tiny_one.glob("*.gguf")
     }
+
+
+def test_a_full_cache_disk_is_one_line_naming_the_path(tmp_path: Path) -> None:
+    """The range cache on a disk with no room: one line naming the entry's path and what to do, the
+    half-written entry gone (not ``[Errno 28]`` alone)."""
+    import subprocess
+
+    from k3lab.errors import MachineError
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mnt)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"SKIPPED LOUDLY: cannot mount a tmpfs here ({mounted.stderr.decode().strip()})")
+    try:
+        cache = RangeCache(mnt, 1 << 30)
+        with pytest.raises(MachineError) as e:
+            cache.read(FILE, 0, len(DATA), Hub())
+        said = str(e.value)
+        assert "\n" not in said and said.startswith(str(mnt / "ranges")) and "no space left" in said, said
+        assert "K3LAB_CACHE" in said, said
+        assert not [p for p in mnt.rglob("*") if p.is_file()]
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -126,6 +126,58 @@ def test_a_cas_that_refuses_is_one_line_at_once(xet_env: Path, tiny_src: Path) -
     assert took < 30, took  # (not the budget: a refusal is not retried by k3lab)
 
 
+def test_a_huge_token_answer_is_cut_at_k3labs_bound(xet_env: Path, tiny_src: Path) -> None:
+    """The Hub's Xet token answered with 200 MB: k3lab fetches the token (hf_xet never does), so the
+    answer is read to k3lab's bound on any Hub answer and no further; one line, nothing uploaded."""
+    from k3lab.pipeline.hub.bounds import API_LIMIT
+
+    with HubServer(tiny_src, token=TOKEN) as hub:
+        _repo(hub)
+        hub.cas.token_answer = "huge"
+        with pytest.raises(K3LabError) as e:
+            _send(hub, _file(xet_env, 300_000), budget=10)
+        sent, posts = hub.cas.token_bytes_sent, hub.cas.posts
+    assert "\n" not in str(e.value) and "longer than the 16777216 bytes" in str(e.value), e.value
+    assert sent < API_LIMIT + (16 << 20), sent  # (what the sockets' buffers took besides the bound)
+    assert posts == 0
+
+
+def test_a_slow_token_answer_is_given_up_within_the_budget(xet_env: Path, tiny_src: Path) -> None:
+    with HubServer(tiny_src, token=TOKEN) as hub:
+        _repo(hub)
+        hub.cas.token_answer, hub.cas.token_wait = "slow", 120.0
+        t0 = time.monotonic()
+        with pytest.raises(HubUnreachable) as e:
+            _send(hub, _file(xet_env, 300_000), budget=8)
+        took = time.monotonic() - t0
+    assert "retry budget 8 s" in str(e.value) and "\n" not in str(e.value), e.value
+    assert took < 8 + 2 + 5, took  # the budget, then one request's wait (a quarter of it) at most
+
+
+def test_hf_xet_refreshes_its_token_through_k3lab(xet_env: Path, tiny_src: Path, monkeypatch) -> None:
+    """Tokens that expire at once: hf_xet asks for new ones, from k3lab's loopback route, which fetches
+    each from the Hub itself: every token request the Hub sees is one k3lab made; the upload completes."""
+    from k3lab.pipeline.hub import xet, xet_token
+
+    fetched: list[str] = []
+    real = xet_token.fetch_token
+
+    def counted(*args, **kwargs):
+        fetched.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(xet_token, "fetch_token", counted)
+    monkeypatch.setattr(xet, "fetch_token", counted)
+    path = _file(xet_env)
+    with HubServer(tiny_src, token=TOKEN) as hub:
+        _repo(hub)
+        hub.cas.token_life = 1
+        op, _ = _send(hub, path, budget=60)
+        assert hub.blobs[op.upload_info.sha256.hex()] == path.read_bytes()
+        asked = len(hub.token_requests)
+    assert asked >= 2 and asked == len(fetched), (asked, fetched)  # the seed, then the refreshes
+
+
 def test_hf_xets_errors_are_classified_by_kind() -> None:
     """Each kind hf_xet raises: its authentication and not-found errors and a status it names are
     refusals; a network error, a timeout or anything else is ridden out."""

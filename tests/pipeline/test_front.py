@@ -123,3 +123,14 @@ def test_the_card_of_publish_is_the_card_of_convert_push_to(tiny_src: Path, tmp_
     assert a.replace("k3lab-test/A", "REPO") == b.replace("k3lab-test/B", "REPO")
     assert str(tmp_path) not in a  # no path of the maker's
     assert "k3lab convert --repo moonshotai/Kimi-K3 --revision" in a and "--out-dir OUT" in a
+
+
+def test_the_retry_budget_is_taken_where_the_hub_is_used(tiny_src: Path) -> None:
+    """``--retry-budget`` bounds publishing's uploads as it bounds a Hub source's downloads: taken with
+    ``--push-to`` from a local source, refused (one line) where no Hub is used at all."""
+    from k3lab.errors import K3LabError
+    from k3lab.request import Request
+
+    Request(meta=str(tiny_src), push_to="k3lab-demo/x", retry_budget=5.0).source()  # (no error)
+    with pytest.raises(K3LabError, match=r"^--retry-budget is for the Hub: it needs --repo or --push-to$"):
+        Request(meta=str(tiny_src), retry_budget=5.0).source()

@@ -211,7 +211,7 @@ def test_check_logits_judge_moonshot_adds_moonshots_column(judged, tmp_path: Pat
     text = capsys.readouterr().out
     assert code == 0, text
     header = next(line for line in text.splitlines() if line.startswith("stage (llama.cpp tensor)"))
-    assert header.split()[-2:] == ["Moonshot", "checks"], header
+    assert header.split()[-3:] == ["Moonshot", "runtime", "checks"], header
     row = next(line for line in text.splitlines() if line.startswith("ffn_out-1 "))
     assert float(row.split()[2]) < 1e-6, row  # (the reference against Moonshot, at that stage)
     summary = next(line for line in text.splitlines() if line.startswith("Moonshot's own forward"))

@@ -95,6 +95,19 @@ def test_the_mmproj_is_moonshots_tower_value_for_value(converted) -> None:
     check_mmproj(src, mmproj)
 
 
+def test_a_run_names_the_mmproj_by_its_file_type(converted, tiny_src: Path) -> None:
+    """The name a conversion gives the mmproj beside its set says the file type the file declares (an
+    F32 checkpoint's is -F32, never -BF16)."""
+    from k3lab.pipeline.writing.single import beside_names
+
+    _, _, src, mmproj = converted
+    model = Request(meta=str(src)).load_model()
+    declared = gguf.GGUFReader(mmproj).fields["general.file_type"].contents()
+    assert gguf.LlamaFileType(declared).name == "ALL_F32"
+    assert beside_names(model, "Kimi-K3", model.load_config(src))["mmproj"] == "mmproj-Kimi-K3-F32.gguf"
+    assert beside_names(model, "Kimi-K3", model.load_config(tiny_src))["mmproj"] == "mmproj-Kimi-K3-BF16.gguf"
+
+
 def test_a_bf16_tower_saved_in_size_shards_is_converted_exactly(tiny_src: Path, tmp_path: Path) -> None:
     """Moonshot's classes in their own dtype (BF16), saved as transformers' size shards (the tower's
     tensors across files): the matrices stay BF16 byte for byte, the norms and tables widen."""

@@ -4,7 +4,8 @@ The judge is Moonshot's ``tokenization_kimi.TikTokenTokenizer.apply_chat_templat
 ``build_chat_segments``, the segments joined; from the llmcompressor 0.14.0.1 wheel, tests/moonshot.py).
 The template is rendered by Python's jinja2 in the sandbox transformers uses (``chat.render``, and
 transformers' own ``render_jinja_template`` once) and by llama.cpp's own C++ engine (``common/jinja``
-of the tree llama-cpp-python vendors, tests/llama_tree.py). Every conversation of
+of the tree llama-cpp-python vendors, and of unsloth's fork, the llama.cpp that runs K3's vision:
+tests/llama_tree.py). Every conversation of
 ``tests/conversations.py`` must render to Moonshot's text in both, byte for byte; where Moonshot
 refuses a chat, both refuse it too.
 
@@ -45,11 +46,13 @@ def moonshot(tiny_src: Path) -> Any:
     return judges.tokenizer(tiny_src)
 
 
-@pytest.fixture(scope="module")
-def engine() -> Any:
-    from llama_tree import JinjaEngine
+@pytest.fixture(scope="module", params=["upstream", "unsloth-fork"])
+def engine(request: pytest.FixtureRequest) -> Any:
+    """llama.cpp's engine: upstream's (the tree llama-cpp-python vendors) and unsloth's fork's (the
+    llama.cpp that runs Kimi-K3's vision; skipped loudly where its tree is not)."""
+    from llama_tree import JinjaEngine, fork_tree
 
-    return JinjaEngine(k3chat.template())
+    return JinjaEngine(k3chat.template(), fork_tree() if request.param == "unsloth-fork" else None)
 
 
 def moonshot_text(tok: Any, messages: list, tools: list | None, variables: dict) -> str | Exception:
@@ -142,13 +145,16 @@ def test_transformers_renders_it_as_chat_render_does(corpus: Corpus) -> None:
         assert rendered[0] == expected
 
 
-def test_llama_server_sees_what_the_template_needs(engine: Any) -> None:
+def test_llama_server_sees_what_the_template_needs(engine: Any, request: pytest.FixtureRequest) -> None:
     """The capabilities llama-server derives from the template: tools, tool calls with object
     arguments (so it parses a JSON string of arguments before rendering), typed content, system role."""
     caps = engine.caps
     for cap in ("supports_tools", "supports_tool_calls", "supports_object_arguments", "supports_system_role",
-                "supports_typed_content", "supports_string_content"):  # fmt: skip
+                "supports_string_content"):  # fmt: skip
         assert caps[cap], (cap, caps)
+    # typed content (a message's content as a list of parts): upstream's probe finds it; the fork's
+    # older probe does not, and its server then joins the parts into a string first (rendered alike)
+    assert caps["supports_typed_content"] == (request.node.callspec.params["engine"] == "upstream"), caps
 
 
 @pytest.mark.parametrize(
@@ -192,6 +198,25 @@ def test_defaults_are_moonshots_tokenizers(moonshot: Any, engine: Any) -> None:
         [{"messages": messages, "add_generation_prompt": True, "enable_thinking": False}]
     )
     assert answer["text"] == off and off.endswith("<|open|>response<|sep|>")
+
+
+def test_the_openai_apis_reasoning_effort_is_thinking_effort(moonshot: Any, engine: Any) -> None:
+    """llama-server passes an OpenAI client's ``reasoning_effort`` to the template (it says it can: its
+    caps): it is Moonshot's ``thinking_effort``, which wins when both are given; a value Moonshot
+    does not know is refused with Moonshot's words."""
+    messages = [{"role": "user", "content": "Hi"}]
+    assert engine.caps.get("supports_reasoning_effort", True), engine.caps  # (the fork's probe has none)
+    for effort in ("low", "high"):
+        expected = moonshot.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, thinking_effort=effort
+        )
+        contexts = [{"messages": messages, "add_generation_prompt": True, "reasoning_effort": effort},
+                    {"messages": messages, "add_generation_prompt": True, "reasoning_effort": "max",
+                     "thinking_effort": effort}]  # fmt: skip
+        assert [a.get("text") for a in engine.render(contexts)] == [expected, expected]
+        assert k3chat.render(messages, add_generation_prompt=True, reasoning_effort=effort) == expected
+    (answer,) = engine.render([{"messages": messages, "reasoning_effort": "medium"}])
+    assert "Unsupported thinking_effort=medium" in answer["error"], answer
 
 
 @needs_llama

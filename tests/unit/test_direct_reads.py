@@ -130,6 +130,38 @@ def test_a_hint_serves_the_pieces_it_holds_and_buffers_come_back(
     assert sum(map(len, buffers._free)) <= READ_KEEP
 
 
+def test_hints_side_by_side_are_read_as_one(
+    data_file: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two hints queued behind a running read, the second beginning where the first ends (an expert's
+    weights, then its scales): one read of both, each piece its own bytes; a hint that would grow
+    that read past ``MERGED_READ`` is a read of its own."""
+    path, data = data_file
+    reads = _open(path, True)
+    gate, preads = threading.Event(), []
+    real = os.preadv
+
+    def held(fd: int, bufs: list, offset: int, *flags: int) -> int:
+        preads.append(offset)
+        gate.wait(10)  # (the first read runs and waits: the hints after it queue behind it)
+        return real(fd, bufs, offset, *flags)
+
+    monkeypatch.setattr(direct_io.os, "preadv", held)
+    monkeypatch.setattr(direct_io, "MERGED_READ", 100_000)
+    try:
+        reads.ahead(0, 4096)
+        reads.ahead(8192, 50_000)
+        reads.ahead(58_192, 40_000)  # joined: 90,000 bytes in all
+        reads.ahead(98_192, 20_000)  # would make 110,000: a read of its own
+        gate.set()
+        pieces = [reads.read(8192, 50_000), reads.read(58_192, 40_000), reads.read(98_192, 20_000)]
+        assert [p.tobytes() for p in pieces] == [data[8192:58_192], data[58_192:98_192], data[98_192:118_192]]
+        assert preads == [0, 8192, 98_192 - 98_192 % 4096], preads
+    finally:
+        reads.close()
+    assert reads.buffers.ahead == 0
+
+
 def test_a_read_past_a_hint_ends_it_and_a_dropped_hint_is_never_read(
     data_file: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:

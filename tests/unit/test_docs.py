@@ -50,6 +50,20 @@ def test_every_link_of_the_readme_and_docs_resolves() -> None:
                 assert anchor in _anchors(goal), f"{page.relative_to(ROOT)}: {target}: no such heading"
 
 
+def test_one_table_of_commands_and_one_of_notebooks() -> None:
+    """The README's table of commands is the CLI reference's first (generated from the parser: a new
+    command or a changed description fails here); docs/notebooks.md's one table lists exactly the
+    notebooks there are, and the README names each."""
+    from k3lab.cli_reference import summary
+
+    readme = (ROOT / "README.md").read_text()
+    assert "\n".join(summary("docs/reference/cli.md")) in readme, "README.md: its commands table is stale"
+    there = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
+    page = (ROOT / "docs" / "notebooks.md").read_text()
+    assert page.count("| notebook |") == 1 and re.findall(r"^\| `([^`]+)` \|", page, re.M) == there
+    assert all(f"`{stem}`" in readme for stem in there)
+
+
 def test_the_cli_reference_is_what_the_parser_makes() -> None:
     """docs/reference/cli.md regenerates byte-identical (`python -m k3lab.cli_reference`)."""
     from k3lab.cli_reference import markdown

@@ -10,6 +10,7 @@ from collections import namedtuple
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import PER_LAYER
 from gguf import GGMLQuantizationType
 
@@ -91,6 +92,42 @@ def test_a_task_on_a_file_without_mxfp4_never_imports_numba(tiny_src: Path, tmp_
     code_moe = code.replace("'--shards', '9'", "'--shards', '3'")  # a MoE layer: repacked, so loaded
     out = subprocess.run([sys.executable, "-c", code_moe], capture_output=True, text=True, check=True).stdout
     assert out.split()[-2:] == ["0", "True"], out
+
+
+def test_a_run_asks_for_numbas_files_without_importing_it() -> None:
+    """``warm_kernel`` (a run's start) brings llvmlite's library into the page cache, where loading
+    the kernel from a cold cache would read it beside the conversion's own I/O; numba stays unimported."""
+    import importlib.util
+    import os
+
+    llvmlite = importlib.util.find_spec("llvmlite")
+    if llvmlite is None:
+        pytest.skip("numba is not installed")
+    library = next(Path(next(iter(llvmlite.submodule_search_locations))).rglob("libllvmlite*.so*"))
+    code = f"""
+import os, sys, threading
+from k3lab.formats.direct_io import in_page_cache
+from k3lab.formats.mxfp4 import warm_kernel
+fd = os.open({str(library)!r}, os.O_RDONLY)
+os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # (its clean pages dropped: as from a cold cache)
+before = in_page_cache(fd)
+warm_kernel()
+for thread in threading.enumerate():
+    if thread.name == "k3lab-mxfp4-warm":
+        thread.join()
+import time
+for _ in range(100):  # (the kernel reads what it was asked for on its own time)
+    if in_page_cache(fd):
+        break
+    time.sleep(0.1)
+print(before, in_page_cache(fd), "numba" in sys.modules)
+"""
+    if not hasattr(os, "posix_fadvise"):
+        pytest.skip("no posix_fadvise here")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    if out.split()[0] == "True":  # (a filesystem in memory, or pages another process has mapped)
+        pytest.skip(f"{library}: its pages cannot be dropped here, so there is nothing to ask for")
+    assert out.split() == ["False", "True", "False"], out
 
 
 def test_a_failed_background_write_is_raised_once_and_the_queue_is_drained() -> None:

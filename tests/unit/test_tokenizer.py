@@ -254,44 +254,50 @@ def test_a_sources_chat_template_jinja_is_read_only_inside_the_checkpoint(
     assert not out.exists()
 
 
-def test_merges_are_derived_once_and_a_cache_entry_proves_itself(tmp_path, monkeypatch) -> None:
-    """A vocabulary's merges, kept in k3lab's cache by the SHA-256 of its file: read back the second
-    time (nothing derived), and an entry that does not prove itself (a byte flipped; pairs rewritten with
-    their hash; a link in its place) is derived again, never used, never written through."""
+@pytest.mark.parametrize("entry", ["another-split", "a-pair-dropped", "empty", "truncated"])
+def test_a_merges_cache_entry_is_never_read(tiny_src: Path, tmp_path: Path, monkeypatch, entry: str) -> None:
+    """An earlier k3lab kept a vocabulary's merges in its cache (``bpe-merges/<file's SHA-256>.merges``,
+    its own hash inside). Entries an editor leaves there (another valid-looking split of one token with
+    its hash made anew, a pair dropped, no pairs, cut short) change nothing: the merges are the
+    derivation's, every time, and no entry is fatal."""
     import hashlib
 
     import numpy as np
 
-    from k3lab.formats import bpe_merges
-    from k3lab.formats.bpe_merges import MAGIC, cached_merge_ranks
+    from k3lab.formats.bpe_merges import bpe_merge_ranks
+    from k3lab.kimi_k3.tokenizer import read_tiktoken
 
-    tokens = [bytes([b]) for b in range(256)] + [b"ab", b"abc", b"bc", b"abcd", b"xy"]
-    want = bpe_merges.bpe_merge_ranks(tokens)
-    key = hashlib.sha256(b"the file").hexdigest()
-    folder = tmp_path / "bpe-merges"
-    assert cached_merge_ranks(tokens, key, folder) == want
-    entry = folder / f"{key}.merges"
-    assert entry.read_bytes().startswith(MAGIC)
-
-    def derived(_tokens):  # (a second derivation is the failure this test looks for)
-        raise AssertionError("derived again")
-
-    monkeypatch.setattr(bpe_merges, "bpe_merge_ranks", derived)
-    assert cached_merge_ranks(tokens, key, folder) == want
-    monkeypatch.undo()
-
-    good = entry.read_bytes()
-    flipped = bytearray(good)
-    flipped[-1] ^= 1
-    rewritten = np.asarray(want[::-1], dtype="<i4").tobytes()  # rank order broken, its hash made anew
-    for bad in (bytes(flipped), MAGIC + hashlib.sha256(rewritten).hexdigest().encode() + b"\n" + rewritten):
-        entry.write_bytes(bad)
-        assert cached_merge_ranks(tokens, key, folder) == want
-        assert entry.read_bytes() == good  # (replaced by the derived one)
-
-    target = tmp_path / "elsewhere"
-    target.write_bytes(good)
-    entry.unlink()
-    entry.symlink_to(target)
-    assert cached_merge_ranks(tokens, key, folder) == want
-    assert entry.is_symlink() and target.read_bytes() == good  # (not followed, not replaced)
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    for name in ("config.json", "tiktoken.model", "tokenizer_config.json"):
+        (meta / name).write_bytes((tiny_src / name).read_bytes())
+    ranked = read_tiktoken(meta / "tiktoken.model")
+    want = merges_reference(ranked)
+    pairs = bpe_merge_ranks(ranked)
+    rank = {t: r for r, t in enumerate(ranked)}
+    # another split of one token into two ranked tokens (still a merge into a later rank)
+    other = next(
+        (i, (rank[t[:k]], rank[t[k:]]))
+        for i, (a, b) in enumerate(pairs)
+        for t in [ranked[a] + ranked[b]]
+        for k in range(1, len(t))
+        if k != len(ranked[a]) and t[:k] in rank and t[k:] in rank
+    )
+    edited = list(pairs)
+    edited[other[0]] = other[1]
+    bodies = {
+        "another-split": np.asarray(edited, dtype="<i4").tobytes(),
+        "a-pair-dropped": np.asarray(pairs[1:], dtype="<i4").tobytes(),
+        "empty": b"",
+        "truncated": np.asarray(pairs, dtype="<i4").tobytes()[:-3],
+    }
+    body = bodies[entry]
+    cache = tmp_path / "cache"
+    (cache / "bpe-merges").mkdir(parents=True)
+    key = hashlib.sha256((meta / "tiktoken.model").read_bytes()).hexdigest()
+    (cache / "bpe-merges" / f"{key}.merges").write_bytes(
+        b"k3lab-bpe-merges/1 " + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
+    )
+    monkeypatch.setenv("K3LAB_CACHE", str(cache))
+    merges = build_vocabulary(meta).merges
+    assert merges == [f"{token_to_unicode(a)} {token_to_unicode(b)}" for a, b in want]

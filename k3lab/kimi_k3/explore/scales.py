@@ -105,10 +105,15 @@ PROJ_NAMES = {"w1": "gate (w1)", "w2": "down (w2)", "w3": "up (w3)"}
 def scale_stats(source: Source, layer: int, proj: str, outlier_limit: int = 50) -> ScaleStats:
     """Streams the experts one at a time (memory: one expert's scales), counting with bincount on
     the uint8 bytes as they are: no copy of a whole stack, no float64 of it."""
+    if proj not in PROJ_NAMES:
+        raise K3LabError(f"proj {proj!r}: give one of {', '.join(PROJ_NAMES)}")
+    experts = _expert_names(source, layer, proj) if _is_index(layer) else []
+    plain = _is_index(layer) and expert_tensor(layer, 0, proj, "weight") in source.weight_map
+    if not experts and not plain:  # (plain experts have no scales: an empty view, said by the page)
+        raise K3LabError(f"layer {layer!r}: no routed experts of {proj!r} in this checkpoint")
     counts = np.zeros(256, dtype=np.int64)
     rows_means: list[np.ndarray] = []
     outliers: list[dict[str, int]] = []
-    experts = _expert_names(source, layer, proj)  # (none: a layer of plain experts, or none at all)
     for k, (e, name) in enumerate(experts):
         if k % BATCH == 0:
             source.warm([n for _, n in experts[k : k + BATCH]])

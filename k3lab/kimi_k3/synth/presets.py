@@ -347,33 +347,25 @@ def preprocessor_config(vision: dict[str, Any]) -> dict[str, Any]:
 def layer_config(layers: int = 2) -> dict[str, Any]:
     """MoE layers at the real expert dims (latent 3584, expert ff 3072), after one dense layer
     (``layers`` in all), for benchmarks."""
-    cfg = _small(
-        layers,
-        vocab=1792,
-        hidden=1024,
-        heads=8,
-        ff=2048,
-        q_lora=256,
-        kv_lora=128,
-        nope=64,
-        rope=32,
-        v=64,
-        kda_head=64,
-        experts=16,
-        topk=8,
-        shared=1,
-        moe_ff=3072,
-        latent=3584,
-        res_block=4,
-        vt_layers=1,
-        vt_hidden=64,
-        full_every=2,
-    )
-    return cfg
+    return _small(layers, vocab=1792, hidden=1024, heads=8, ff=2048, q_lora=256, kv_lora=128, nope=64,
+                  rope=32, v=64, kda_head=64, experts=16, topk=8, shared=1, moe_ff=3072, latent=3584,
+                  res_block=4, vt_layers=1, vt_hidden=64, full_every=2)  # fmt: skip
+
+
+def widths_config() -> dict[str, Any]:
+    """Kimi-K3's row widths in miniature: every width that is a multiple of 256 in the real model
+    (hidden 7168, the LoRA ranks, latent 3584, expert ff 3072...) is 256 or 512 here, every other is
+    the real one (head dims 128, rope 64); 4 experts (more than llama.cpp's "8 experts" rules, as
+    Kimi-K3's 896); 6 layers. So llama.cpp's quantiser treats each tensor as it treats Kimi-K3's
+    (the same fallbacks, the same mix), on a checkpoint of a few MB."""
+    return _small(6, vocab=1792, hidden=256, heads=2, ff=256, q_lora=256, kv_lora=256, nope=128, rope=64,
+                  v=128, kda_head=128, experts=4, topk=2, shared=2, moe_ff=256, latent=256, res_block=4,
+                  vt_layers=1, vt_hidden=64, full_every=3)  # fmt: skip
 
 
 PRESETS = {
     "tiny": tiny_config,
+    "widths": widths_config,
     "tiny-f32": tiny_f32_config,
     "testmodel": testmodel_config,
     "layer": layer_config,

@@ -20,7 +20,14 @@ from typing import Any
 import numpy as np
 
 from k3lab.errors import K3LabError
-from k3lab.pipeline.checking.remote import SPLIT, Header, read_header, split_sets, tensor_pieces
+from k3lab.pipeline.checking.remote import (
+    SPLIT,
+    Header,
+    RemoteSetError,
+    read_header,
+    split_sets,
+    tensor_pieces,
+)
 from k3lab.pipeline.checking.report import Report
 from k3lab.pipeline.hub import transport
 from k3lab.pipeline.hub.retry import RETRY_BUDGET, with_retries
@@ -71,10 +78,12 @@ class RepoFiles:
     token: str | None
     budget: float = RETRY_BUDGET
     read: int = 0
+    folder: str = ""  # the repo's folder the set is in (a variant's), its files named from there
 
     def fetch(self, file: str, start: int, stop: int) -> bytes:
-        url = transport.file_url(self.repo, file, self.commit, self.endpoint)
-        where = f"{self.repo}@{self.commit[:12]}: {file}"
+        path = f"{self.folder}/{file}" if self.folder else file
+        url = transport.file_url(self.repo, path, self.commit, self.endpoint)
+        where = f"{self.repo}@{self.commit[:12]}: {path}"
         data = with_retries(
             where,
             lambda: transport.fetch_range(url, start, stop, self.sizes[file], self.token, where),
@@ -87,8 +96,11 @@ class RepoFiles:
 def open_repo(
     repo: str, revision: str | None, endpoint: str | None, token: str | None, budget: float
 ) -> RepoFiles:
+    """``repo`` (``ORG/NAME``, or ``ORG/NAME/FOLDER``: the files of that folder) at ``revision``'s commit."""
     from huggingface_hub import HfApi
 
+    parts = repo.split("/")
+    repo, folder = "/".join(parts[:2]), "/".join(parts[2:])
     transport.install()
     api = HfApi(endpoint=endpoint, token=token)
     info = with_retries(
@@ -97,7 +109,11 @@ def open_repo(
         budget,
     )
     sizes = {s.rfilename: int(s.size or 0) for s in info.siblings or []}
-    return RepoFiles(repo, info.sha, sizes, endpoint, token, budget)
+    if folder:
+        sizes = {n[len(folder) + 1 :]: size for n, size in sizes.items() if n.startswith(folder + "/")}
+        if not sizes:
+            raise K3LabError(f"{repo}@{info.sha[:12]}: no folder {folder!r}")
+    return RepoFiles(repo, info.sha, sizes, endpoint, token, budget, folder=folder)
 
 
 def verify_repo(
@@ -109,20 +125,38 @@ def verify_repo(
 ) -> Report:
     """Check the repo's split set: structure, plan (with ``source``), and the chosen tensors' bytes."""
     report = Report()
-    sets = split_sets(sorted(files.sizes))
-    if not sets:
-        raise K3LabError(f"{files.repo}@{files.commit[:12]}: holds no GGUF file")
+    if files.folder and source is not None:
+        raise K3LabError(
+            f"{files.repo}/{files.folder}: a variant is checked against its manifest; it is made from the set, "
+            "not from a checkpoint (give no source)"
+        )
     manifest = _manifest(files)
     recorded = {r.file: r for r in manifest.records} if manifest else {}
+    # the set is what the manifest lists; every other file is a stranger, named and never read (a
+    # stranger named like file 1 of another count, unreadable or valid, cannot stand in for the set's)
+    members = [n for n in sorted(files.sizes) if "/" not in n and (n in recorded or not recorded)]
+    report.strangers = [
+        n for n in sorted(files.sizes) if n not in recorded and not _companion(n, files.sizes)
+    ]
+    if not recorded:  # (no manifest: every .gguf at the top is taken for the set's)
+        report.strangers = [n for n in report.strangers if not (n.endswith(".gguf") and "/" not in n)]
+    sets = split_sets(members)
+    if not sets:
+        raise K3LabError(f"{files.repo}@{files.commit[:12]}: holds no GGUF file")
     plan = _plan(model, source, recorded) if source is not None else None
     texts = 0
     for base, names in sorted(sets.items()):
-        headers = [read_header(n, files.sizes[n], files.fetch) for n in names]
-        beside = len(headers) == 1 and _beside_the_set(headers[0])
+        read = {n: _header(files, n, report) for n in names}
+        headers = [h for h in read.values() if h is not None]
+        report.files += len(names) - len(headers)
+        if not headers:
+            texts += not recorded or any(recorded[n].is_text for n in names if n in recorded)
+            continue
+        beside = len(names) == 1 and _beside_the_set(headers[0])
         if not beside:  # a text model's set: its structure, and with a source its plan
             texts += 1
-            _check_structure(base, headers, report)
-            if plan is not None:
+            _check_structure(base, names, read, report)
+            if plan is not None and len(headers) == len(names):
                 _check_plan(plan, headers, report)
         else:
             report.tensors += len(headers[0].tensors)
@@ -149,6 +183,18 @@ def verify_repo(
             f"{files.repo}: no {MANIFEST_NAME} and no source given: tensor bytes were read but not compared",
         )
     return report
+
+
+COMPANIONS = frozenset({MANIFEST_NAME, "README.md", "TENSOR_MAP.md", ".gitattributes"})
+
+
+def _companion(name: str, sizes: dict[str, int]) -> bool:
+    """A file k3lab puts beside a set (its manifest, card, tensor map), or one of a variant's folder
+    (a set of its own, with its own manifest: ``verify ORG/NAME/LABEL``)."""
+    folder, _, rest = name.rpartition("/")
+    if not folder:
+        return name in COMPANIONS
+    return "/" not in folder and f"{folder}/{MANIFEST_NAME}" in sizes
 
 
 def _single_deriver(model: Model | None, source: Any, h: Header) -> Any:
@@ -178,26 +224,43 @@ def _manifest(files: RepoFiles) -> Manifest | None:
     return read_manifest(files.fetch(MANIFEST_NAME, 0, size), where)
 
 
-def _check_structure(base: str, headers: list[Header], report: Report) -> None:
-    """The split keys against each other, against the files' names and against the files present."""
+def _header(files: RepoFiles, name: str, report: Report) -> Header | None:
+    """``name``'s header, or None with the file named (a file that cannot be read stops nothing else)."""
+    try:
+        return read_header(name, files.sizes[name], files.fetch)
+    except RemoteSetError as e:
+        report.add("junk", name, str(e))
+        return None
+
+
+def _check_structure(base: str, names: list[str], read: dict[str, Header | None], report: Report) -> None:
+    """The split keys against each other, against the files' names and against the files present
+    (a file that could not be read keeps its place: it is named once, its neighbours never blamed)."""
+    headers = [h for h in read.values() if h is not None]
     said = headers[0].split(SPLIT_COUNT)
-    count = said if said is not None else len(headers)
-    total = sum(len(h.tensors) for h in headers)
-    if len(headers) != count:
-        report.add("set", "", f"{base}: {len(headers)} files in the repo, the set has {count}")
-    for k, h in enumerate(headers):
-        named = SPLIT.fullmatch(h.file)
-        if named and (int(named["no"]) != k + 1 or int(named["count"]) != max(count, len(headers))):
+    count = said if said is not None else len(names)
+    total = sum(len(h.tensors) for h in headers) if len(headers) == len(names) else None
+    if len(names) != count:
+        report.add("set", "", f"{base}: {len(names)} files in the repo, the set has {count}")
+    for k, n in enumerate(names):
+        named = SPLIT.fullmatch(n)
+        if (
+            read[n] is not None
+            and named
+            and (int(named["no"]) != k + 1 or int(named["count"]) != max(count, len(names)))
+        ):
             report.add(
                 "split",
-                h.file,
-                f"{h.file}: named file {int(named['no'])} of {int(named['count'])}, but it is file "
-                f"{k + 1} of the {len(headers)} present and the set says {count}",
+                n,
+                f"{n}: named file {int(named['no'])} of {int(named['count'])}, but it is file "
+                f"{k + 1} of the {len(names)} present and the set says {count}",
             )
     seen: dict[str, str] = {}
-    for k, h in enumerate(headers):
+    for k, n in enumerate(names):
+        if (h := read[n]) is None:
+            continue
         for key, want in ((SPLIT_NO, k), (SPLIT_COUNT, count), (SPLIT_TENSORS, total)):
-            if h.split(key) != want and not (count == 1 and h.split(key) is None):
+            if want is not None and h.split(key) != want and not (count == 1 and h.split(key) is None):
                 report.add("split", h.file, f"{h.file}: {key} is {h.split(key)}, expected {want}")
         for t in h.tensors:
             if t.name in seen:

@@ -97,12 +97,19 @@ def tensor_pieces(t: Tensor, fetch: Fetch, piece: int = PIECE) -> Iterator[bytes
 def split_sets(names: list[str]) -> dict[str, list[str]]:
     """The GGUF sets among a repo's files: a split set's ``BASE`` (name and type label) -> its files
     by number; any other ``.gguf`` is a set of one, under its own name (a set of one file, as
-    upstream's converter names it, or a file beside a set: which, its header says)."""
-    sets: dict[str, dict[int, str]] = {}
+    upstream's converter names it, or a file beside a set: which, its header says). Files of one
+    base but another count are another set (``BASE (N files)``): neither stands in for the other."""
+    sets: dict[tuple[str, int], dict[int, str]] = {}
     for n in names:
         m = SPLIT.fullmatch(n)
         if m:
-            sets.setdefault(m["base"], {})[int(m["no"])] = n
+            sets.setdefault((m["base"], int(m["count"])), {})[int(m["no"])] = n
         elif n.endswith(".gguf") and "/" not in n:
-            sets.setdefault(n, {})[1] = n
-    return {base: [files[k] for k in sorted(files)] for base, files in sets.items()}
+            sets.setdefault((n, 0), {})[1] = n
+    counts: dict[str, int] = {}
+    for base, _ in sets:
+        counts[base] = counts.get(base, 0) + 1
+    return {
+        (base if counts[base] == 1 else f"{base} ({count} files)"): [files[k] for k in sorted(files)]
+        for (base, count), files in sets.items()
+    }

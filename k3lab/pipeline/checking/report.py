@@ -11,6 +11,7 @@ from k3lab.errors import printable
 from k3lab.pipeline.state.proof import Problem
 
 SUMMARY_LINES = 5  # a damaged set is told in at most this many lines
+STRANGERS_SHOWN = 12  # a repo's files beside the set named on the strangers' line
 
 
 @dataclass
@@ -22,6 +23,18 @@ class Report:
     tensors: int = 0
     bytes: int = 0  # tensor bytes hashed
     read: int = 0  # bytes read from a Hub repo (headers and tensors)
+    strangers: list[str] = field(default_factory=list)  # a repo's files not of the set: named, never read
+
+    def stranger_lines(self, shown: int = STRANGERS_SHOWN) -> list[str]:
+        """The repo's files that are not the set's, named (not problems: anyone may add a file)."""
+        if not self.strangers:
+            return []
+        names = ", ".join(printable(n) for n in self.strangers[:shown])
+        more = f" and {len(self.strangers) - shown} more" if len(self.strangers) > shown else ""
+        return [
+            f"not of the set (not in its manifest; not read, not counted): {len(self.strangers)} "
+            f"file(s): {names}{more}"
+        ]
 
     @property
     def ok(self) -> bool:
@@ -101,4 +114,5 @@ class Verified:
             + (f"; {human_bytes(r.read)} read from the repo" if self.remote else "")
         )
         more = ["(the headers only: --sample N, --tensors GLOB or --all check tensor bytes too)"]
-        return [*r.lines(), line, *(more if self.remote and not self.picked else [])]
+        strangers = r.stranger_lines() if self.remote else []
+        return [*r.lines(), *strangers, line, *(more if self.remote and not self.picked else [])]

@@ -176,6 +176,12 @@ def verify(
             if fields.get(key) != value:
                 report.add("split", rec.file, f"{rec.file}: {key} is {fields.get(key)}, expected {value}")
     bar.close()
+    variant = folder.variant_plan.load() if source is not None else None
+    if variant is not None:  # a variant's source is its set: every tensor quantised again from it
+        from k3lab.pipeline.quantizing.check import rederive_variant
+
+        rederive_variant(variant, source.location, records, report.add, source.token)
+        return report
     if source is not None:
         if model is None:
             raise ManifestError("re-deriving from a source needs the model")

@@ -41,10 +41,12 @@ that differs drops the file's ranges: see ``distrust``).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import shutil
 import stat
 import threading
 from collections.abc import Callable
@@ -53,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
-from k3lab.errors import K3LabError
+from k3lab.errors import K3LabError, MachineError
 from k3lab.formats.files import PARTIAL, cache_home
 from k3lab.pipeline.hub.range_files import (
     CHANGED,
@@ -220,7 +222,7 @@ class RangeCache:
         if folder is None:
             return np.frombuffer(self._fetch_all(start, stop, fetch), dtype=np.uint8), None
         try:
-            return self._store(folder, start, stop, fetch)
+            return self._store(folder, file.key, start, stop, fetch)
         finally:
             os.close(folder)
 
@@ -240,7 +242,9 @@ class RangeCache:
             at += len(piece)
             yield piece
 
-    def _store(self, folder: int, start: int, stop: int, fetch: Fetch) -> tuple[np.ndarray, str | None]:
+    def _store(
+        self, folder: int, file_key: str, start: int, stop: int, fetch: Fetch
+    ) -> tuple[np.ndarray, str | None]:
         tmp = f".{start}-{stop}.{os.getpid()}.{threading.get_ident()}{PARTIAL}"
         remove_entry(folder, tmp)  # (a killed store of this process id's)
         fd = os.open(
@@ -250,7 +254,16 @@ class RangeCache:
             h = hashlib.sha256()
             for piece in self._pieces(start, stop, fetch):
                 h.update(piece)
-                write_all(fd, piece)
+                try:
+                    write_all(fd, piece)
+                except OSError as e:
+                    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                        raise
+                    raise MachineError(
+                        f"{self.root / file_key / tmp}: no space left on the device for k3lab's cache of"
+                        f" Hub ranges ({stop - start:,} bytes; {self._free():,} free): free space there,"
+                        " or set K3LAB_CACHE to a folder on a disk with room"
+                    ) from None
             name = f"{start}-{stop}.{h.hexdigest()}"
             data = from_fd(fd, stop - start, 0, stop - start)
             # no fsync: a crash may lose a range or cut it short; a read proves it and fetches again
@@ -287,6 +300,12 @@ class RangeCache:
                 os.close(ranges)
         finally:
             os.close(base)
+
+    def _free(self) -> int:
+        try:
+            return shutil.disk_usage(self.root).free
+        except OSError:
+            return 0
 
     # --- the bound ---
     def _evict(self, keep: str, size: int) -> None:

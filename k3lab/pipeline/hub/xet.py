@@ -17,6 +17,10 @@ transfer to the same guarantees from the outside:
 - **Stopped.** The upload runs in hf_xet's threads while this one polls: Ctrl-C, SIGTERM (``Stopped``)
   or the run's cancel (``TaskReport.check``) aborts the commit (``XetUploadCommit.abort``) and shuts
   the session down (``sigint_abort``: each upload has its own), so nothing is sent after.
+- **Its token fetched by k3lab.** hf_xet is never given the Hub's token URL (it would read the answer
+  whole, with its own client): k3lab fetches the token through its bounded transport and seeds the
+  commit with it, and hf_xet's refreshes go to a loopback route of k3lab's that fetches each the same
+  way (``xet_token.TokenRoute``). No answer hf_xet gets from the Hub exceeds k3lab's bound.
 - **Errors classified.** hf_xet raises ``RuntimeError``/``ConnectionError``/``OSError`` kinds; a
   refusal (its authentication error, a 401/403/404 it names) is one line, the rest transient.
 
@@ -37,6 +41,7 @@ from typing import Any
 from k3lab.errors import K3LabError
 from k3lab.pipeline.hub.bounds import SPEED_ENV, speed_limit
 from k3lab.pipeline.hub.clock import CLOCK
+from k3lab.pipeline.hub.xet_token import TokenRoute, XetToken, fetch_token
 from k3lab.pipeline.progress import NO_REPORT, TaskReport
 
 POLL = 0.1  # seconds between two looks at the transfer's progress (and at a stop)
@@ -125,12 +130,36 @@ def send(
     """Upload one file to the CAS (no commit: the Hub's commit names it by ``sha256``). Raises
     ``XetStalled`` (a window below the minimum rate), ``XetRefused`` or hf_xet's transient error; a
     stop (``report.check``, ``Stopped``, Ctrl-C) aborts the transfer before it is raised again."""
+    # hf_xet never fetches its token itself (its answer would be read unbounded): k3lab fetches it,
+    # and each refresh, through its bounded transport (``xet_token``)
+    token = fetch_token(
+        refresh_url, headers, what, budget, retry=False
+    )  # (this attempt: one of the budget's)
+    extra = {k: v for k, v in headers.items() if k.lower() != "authorization"}  # (to every CAS request)
+    with TokenRoute(refresh_url, headers, what, min(budget / 4, speed_limit()[1])) as route:
+        return _send(path, sha256, token, route, extra, what, budget, report)
+
+
+def _send(
+    path: Path,
+    sha256: str,
+    token: XetToken,
+    route: TokenRoute,
+    extra: dict[str, str],
+    what: str,
+    budget: float,
+    report: TaskReport,
+) -> Sent:
     import hf_xet
 
     session = hf_xet.XetSession(xet_config(budget))
-    extra = {k: v for k, v in headers.items() if k.lower() != "authorization"}
     commit = session.new_upload_commit(
-        token_refresh_url=refresh_url, token_refresh_headers=headers, custom_headers=extra
+        endpoint=token.cas_url,
+        token=token.access,
+        token_expiry_unix_secs=token.expires,
+        token_refresh_url=route.url,
+        token_refresh_headers=route.headers,
+        custom_headers=extra,
     )
     outcome: list[BaseException | None] = []
 

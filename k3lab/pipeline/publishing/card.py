@@ -133,7 +133,13 @@ def provenance(plan: Any) -> str:
 
 
 def card_fields(
-    model: Model, plan: Any, records: list[Record], kvs: list[Any], repo: str, license: dict[str, str]
+    model: Model,
+    plan: Any,
+    records: list[Record],
+    kvs: list[Any],
+    repo: str,
+    license: dict[str, str],
+    variants: dict[str, tuple[list[Record], str]] | None = None,
 ) -> dict[str, Any]:
     text = sorted((r for r in records if r.is_text), key=lambda r: r.number)
     others = sorted((r for r in records if not r.is_text), key=lambda r: r.file)
@@ -182,6 +188,7 @@ def card_fields(
             model, local, text[0].file if text else "", mmproj, tokenizer, with_mmproj
         ),
         "metadata_table": metadata_table(kvs),
+        "variants_section": variants_section(repo, local, variants or {}),
         "set_words": (
             f"One GGUF file (no split keys), {in_unit(total, size_unit(total))}"
             if len(text) == 1
@@ -199,6 +206,53 @@ def card_fields(
             "the others:"
         ),
     }
+
+
+def variants_section(repo: str, local: str, variants: dict[str, tuple[list[Record], str]]) -> str:
+    """The card's part on the quantised variants the repo holds (each in its folder): a row each, with
+    its size, bits per weight, what it takes to run and the ``llama-quantize`` command that makes the
+    same bytes from the set above (empty when there are none)."""
+    if not variants:
+        return ""
+    largest = max(sum(r.size for r in recs) for recs, _ in variants.values())
+    unit = size_unit(largest)
+    rows = [
+        f"| variant | files | size ({unit[0]}) | bits per weight | download |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
+    made = []
+    for label, (recs, command) in sorted(variants.items()):
+        size = sum(r.size for r in recs)
+        weights = sum(_count(t.ne) for r in recs for t in r.tensors)
+        rows.append(
+            f"| `{label}` | {len(recs)} | {in_unit(size, unit).split()[0]} | {8 * size / max(weights, 1):.2f} | "
+            f'`hf download {repo} --include "{label}/*" --local-dir {local}` |'
+        )
+        if command:
+            made += [f"`{label}`:", "", "```bash", command, "```", ""]
+    return "\n".join(
+        [
+            "## Quantised variants",
+            "",
+            "Made from the set above, file by file, by llama.cpp's own quantiser (ggml's kernels, its rules for "
+            "each tensor's type): each is byte for byte what `llama-quantize` makes with the command below, "
+            "run in a folder holding the set. A folder per variant, its own `MANIFEST.json` in it (each "
+            "tensor's SHA-256, type and the reason for it). llama.cpp maps the files: a machine runs a variant "
+            "with about its size in memory (RAM, or RAM and VRAM), plus the context's cache; with the routed "
+            "experts kept in RAM (`-ot exps=CPU`) a GPU needs only the rest.",
+            "",
+            *rows,
+            "",
+            *made,
+        ]
+    )
+
+
+def _count(ne: tuple[int, ...]) -> int:
+    n = 1
+    for d in ne:
+        n *= d
+    return n
 
 
 def _singles_section(model: Model, local: str, first: str, mmproj: str, tokenizer: str, download: str) -> str:
@@ -234,14 +288,20 @@ def render_card(template: str, fields: dict[str, Any]) -> str:
 
 
 def card_files(
-    model: Model, plan: Any, records: list[Record], kvs: list[Any], repo: str, license: dict[str, str]
+    model: Model,
+    plan: Any,
+    records: list[Record],
+    kvs: list[Any],
+    repo: str,
+    license: dict[str, str],
+    variants: dict[str, tuple[list[Record], str]] | None = None,
 ) -> dict[str, bytes]:
-    """The card and the tensor map of a published set."""
+    """The card and the tensor map of a published set (and of the variants its repo holds)."""
     from k3lab.pipeline.publishing.tensor_map import tensor_map_markdown
 
     if model.guide is None:
         raise K3LabError(f"{model.name}: the model brings no card (its Guide)")
-    fields = card_fields(model, plan, records, kvs, repo, license)
+    fields = card_fields(model, plan, records, kvs, repo, license, variants)
     return {
         CARD_NAME: render_card(model.guide.card_template(), fields).encode(),
         TENSOR_MAP_NAME: tensor_map_markdown(model).encode(),
@@ -249,11 +309,16 @@ def card_files(
 
 
 def extra_files(
-    model: Model, plan: Any, records: list[Record], kvs: list[Any], target: PushTarget
+    model: Model,
+    plan: Any,
+    records: list[Record],
+    kvs: list[Any],
+    target: PushTarget,
+    variants: dict[str, tuple[list[Record], str]] | None = None,
 ) -> dict[str, bytes]:
     """What the last commit of a whole set adds beside it: the card (with the license of the source's
     repo, or of the model's base repo for a local copy) and the tensor map."""
     pinned = plan.inputs.get("pinned") or {}
     base = pinned.get("repo") or (model.guide.base_model if model.guide else "")
     license = source_license(base, target.endpoint, target.token) if base else {"license": "unknown"}
-    return card_files(model, plan, records, kvs, target.repo, license)
+    return card_files(model, plan, records, kvs, target.repo, license, variants)

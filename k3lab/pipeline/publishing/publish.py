@@ -70,6 +70,8 @@ class RepoState:
     files: dict[str, str]  # path -> SHA-256 (LFS) or "git-<blob id>"
     records: dict[str, Record]  # file name -> its record in the repo's MANIFEST.json
     made: dict[str, str] = field(default_factory=dict)  # files besides the set k3lab made -> their oid
+    variants: dict[str, dict[str, Record]] = field(default_factory=dict)  # LABEL -> LABEL/MANIFEST.json's
+    made_as: dict[str, str] = field(default_factory=dict)  # LABEL -> its llama-quantize command
 
     def theirs(self, name: str) -> bool:
         """Whether the repo's ``name`` is a file k3lab did not make (a user's own README.md)."""
@@ -119,31 +121,46 @@ def read_repo(target: PushTarget) -> RepoState:
     sizes = {s.rfilename: int(s.size or 0) for s in info.siblings or []}
     records: dict[str, Record] = {}
     made: dict[str, str] = {}
-    if MANIFEST_NAME in files:
-        where = target.where(MANIFEST_NAME)
-        size = sizes[MANIFEST_NAME]
-        if size > MANIFEST_LIMIT:
-            raise PublishError(f"{where}: {size} bytes, larger than any k3lab manifest")
-        url = transport.file_url(target.repo, MANIFEST_NAME, info.sha, target.endpoint)
-        raw = with_retries(
-            where, lambda: transport.fetch_range(url, 0, size, size, target.token, where), target.retry_budget
-        )
-        try:
-            man = read_manifest(raw, where)
-        except ManifestError as e:
-            raise PublishError(f"{where}: not a k3lab manifest ({e})") from None
-        records = {r.file: r for r in man.records}
-        made = man.published.made if man.published is not None else {}
-    return RepoState(info.sha, files, records, made)
+    variants: dict[str, dict[str, Record]] = {}
+    made_as: dict[str, str] = {}
+    for path in sorted(p for p in files if p.endswith(MANIFEST_NAME) and p.count("/") <= 1)[:MAX_VARIANTS]:
+        man = _repo_manifest(target, info.sha, path, sizes[path])
+        if path == MANIFEST_NAME:
+            records = {r.file: r for r in man.records}
+            made = man.published.made if man.published is not None else {}
+        else:
+            variants[path.split("/")[0]] = {r.file: r for r in man.records}
+            made_as[path.split("/")[0]] = man.made_as
+    return RepoState(info.sha, files, records, made, variants, made_as)
+
+
+MAX_VARIANTS = 64  # variant folders (LABEL/MANIFEST.json) a repo's state reads
+
+
+def _repo_manifest(target: PushTarget, commit: str, path: str, size: int) -> Any:
+    """A manifest of the repo (``MANIFEST.json`` or a variant's ``LABEL/MANIFEST.json``), read by a
+    ranged GET of exactly its listed size and parsed with bounded depth."""
+    where = target.where(path)
+    if size > MANIFEST_LIMIT:
+        raise PublishError(f"{where}: {size} bytes, larger than any k3lab manifest")
+    url = transport.file_url(target.repo, path, commit, target.endpoint)
+    raw = with_retries(
+        where, lambda: transport.fetch_range(url, 0, size, size, target.token, where), target.retry_budget
+    )
+    try:
+        return read_manifest(raw, where)
+    except ManifestError as e:
+        raise PublishError(f"{where}: not a k3lab manifest ({e})") from None
 
 
 def published(
-    state: RepoState, filename: str, digest: str | None, number: int | None = None
+    state: RepoState, filename: str, digest: str | None, number: int | None = None, label: str = ""
 ) -> Record | None:
-    """The repo's record of ``filename`` (output file ``number``) when the repo holds exactly that
-    file of this plan."""
-    rec = state.records.get(filename)
-    if rec is None or not rec.sha256 or state.files.get(filename) != rec.sha256:
+    """The repo's record of ``filename`` (output file ``number``; of variant ``label``, in its folder)
+    when the repo holds exactly that file of this plan."""
+    rec = (state.variants.get(label, {}) if label else state.records).get(filename)
+    path = f"{label}/{filename}" if label else filename
+    if rec is None or not rec.sha256 or state.files.get(path) != rec.sha256:
         return None
     if number is not None and rec.number != number:
         return None
@@ -177,14 +194,23 @@ class Committer:
         state.made = dict(state.made)
         self.made: dict[str, str] = state.made
         self.records: dict[str, Record] = dict(state.records)
+        self.variants: dict[str, dict[str, Record]] = {k: dict(v) for k, v in state.variants.items()}
+        self.touched: set[str] = set()  # the variants this run adds files to (their manifests are committed)
+        self.made_as: dict[str, str] = dict(state.made_as)
         self.pending: list[Any] = []
         self.stale = list(stale)  # files of another set to delete (--force)
         self.last = time.monotonic()
         self.commits: list[str] = []
         self.uploaded = 0
 
-    def add(self, op: Any, record: Record) -> None:
-        self.records[record.file] = record
+    def add(self, op: Any, record: Record, label: str = "") -> None:
+        """An uploaded file (``op``; None: the repo holds it already) and its record; ``label``: a
+        variant's, in its folder."""
+        if label:
+            self.variants.setdefault(label, {})[record.file] = record
+            self.touched.add(label)
+        else:
+            self.records[record.file] = record
         if op is not None:
             self.pending.append(op)
             self.uploaded += 1
@@ -218,7 +244,7 @@ class Committer:
 
         extra = {k: v for k, v in extra.items() if self.force or not self.state.theirs(k)}
         self.made.update({name: f"git-{git_blob_id(data)}" for name, data in extra.items()})
-        regular = {MANIFEST_NAME: self.manifest(), **extra}
+        regular = {MANIFEST_NAME: self.manifest(), **self._variant_manifests(), **extra}
         if (
             not self.pending
             and not self.stale
@@ -261,6 +287,26 @@ class Committer:
         self.state.commit = info.oid
         self.state.files.update({name: f"git-{git_blob_id(data)}" for name, data in regular.items()})
         return info.oid
+
+    def variant_table(self) -> dict[str, tuple[list[Record], str]]:
+        """Every variant the repo will hold: its records and command (for the card)."""
+        return {
+            label: (list(recs.values()), self.made_as.get(label, ""))
+            for label, recs in self.variants.items()
+            if recs
+        }
+
+    def _variant_manifests(self) -> dict[str, bytes]:
+        """``LABEL/MANIFEST.json`` of each variant this run adds to: its records, as the repo holds them."""
+        published = Published(self.target.repo, self.target.branch, {})
+        return {
+            f"{label}/{MANIFEST_NAME}": manifest_bytes(
+                sorted(self.variants[label].values(), key=lambda r: r.number),
+                published,
+                self.made_as.get(label, ""),
+            )
+            for label in sorted(self.touched)
+        }
 
 
 def git_blob_id(data: bytes) -> str:
@@ -340,7 +386,12 @@ def publish_folder(
             op = upload(publication.target, path)
             committer.add(op, rec)
         extra = extra_files(
-            model, plan, list(committer.records.values()), folder.plans.kvs(plan), publication.target
+            model,
+            plan,
+            list(committer.records.values()),
+            folder.plans.kvs(plan),
+            publication.target,
+            committer.variant_table(),
         )
         commit = committer.commit(extra, "k3lab: the whole set")
         target = publication.target

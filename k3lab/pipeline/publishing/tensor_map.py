@@ -5,25 +5,33 @@ from __future__ import annotations
 
 from k3lab.pipeline.model import ALL, ANY, OUTPUT, Model, Rule
 
-GENERIC_TAGS = {ALL: "every layer", OUTPUT: "output shard", ANY: ""}
+GENERIC_TAGS = {ALL: "every layer", OUTPUT: "outside the layers (embedding, head)", ANY: ""}
 TYPES = {"keep": "source dtype (BF16) or --outtype", "f32": "F32", "mxfp4": "MXFP4"}
+# the single file (the mmproj) takes no --outtype: its types are the rule's alone
+SINGLE_TYPES = {**TYPES, "keep": "source dtype (BF16)"}
+# what a copy into F32 is: not the bytes as they are
+WIDENED = "a BF16 source widened to F32, exactly (an F32 source copied as it is)"
 
 
-def _table(model: Model, rules: tuple[Rule, ...], tags: dict[str, str]) -> list[str]:
+def _table(
+    model: Model, rules: tuple[Rule, ...], tags: dict[str, str], types: dict[str, str] = TYPES
+) -> list[str]:
     lines = [
         "| GGUF tensor | source tensor(s) | transform | type | applies to |",
         "| --- | --- | --- | --- | --- |",
     ]
     for r in rules:
         sources = "<br>".join(f"`{s}`" for s in r.sources)
-        doc = model.transforms[r.transform].doc + (f"; {r.note}" if r.note else "")
+        copy_to_f32 = r.dtype == "f32" and r.transform == "copy"
+        doc = WIDENED if copy_to_f32 else model.transforms[r.transform].doc
+        doc += f"; {r.note}" if r.note else ""
         when = tags.get(r.when, r.when)
         applies = (
             tags.get(r.layers, r.layers)
             + (f" ({when})" if when else "")
             + (", when present" if r.optional else "")
         )
-        lines.append(f"| `{r.output}` | {sources} | `{r.transform}`: {doc} | {TYPES[r.dtype]} | {applies} |")
+        lines.append(f"| `{r.output}` | {sources} | `{r.transform}`: {doc} | {types[r.dtype]} | {applies} |")
     return lines
 
 
@@ -50,7 +58,7 @@ def tensor_map_markdown(model: Model) -> str:
             "",
             "`{bid}` is the block. Biases are converted when the checkpoint has them.",
             "",
-            *_table(model, model.single.rules, tags),
+            *_table(model, model.single.rules, tags, SINGLE_TYPES),
             "",
         ]
     lines += [f"Transforms with an exact inverse (the tests use them): {inverses}.", ""]

@@ -53,17 +53,19 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-def upload(target: PushTarget, path: Path, report: TaskReport = NO_REPORT, sha256: str = "") -> Any:
+def upload(
+    target: PushTarget, path: Path, report: TaskReport = NO_REPORT, sha256: str = "", folder: str = ""
+) -> Any:
     """Send one finished file's bytes to the repo's storage (no commit); returns the operation to
     commit (its SHA-256 in ``upload_info``). ``sha256``: the file's, made as it was written, so the
     upload is the only read of the finished file (huggingface_hub 2.4 hashes a file lazily, only when
     its ``UploadInfo.sha256`` is read unset: setting it first saves a whole read of 17 GB). The bytes
-    sent are reported as they go."""
+    sent are reported as they go. ``folder``: the repo's folder it goes to (a variant's), else the top."""
     from huggingface_hub.utils import disable_progress_bars
 
     disable_progress_bars()  # k3lab's one bar shows the run; huggingface_hub's would write over it
     api = target.api()
-    op = _counted_add(path, report)
+    op = _counted_add(path, report, f"{folder}/{path.name}" if folder else path.name)
     if sha256:
         op.upload_info.sha256 = bytes.fromhex(sha256)
     if xet_path():
@@ -77,7 +79,7 @@ def upload(target: PushTarget, path: Path, report: TaskReport = NO_REPORT, sha25
         finally:
             current.report = None
 
-    with_retries(target.where(path.name), send, target.retry_budget, report)
+    with_retries(target.where(op.path_in_repo), send, target.retry_budget, report)
     report.check(now=True)
     return op
 
@@ -109,7 +111,7 @@ def _upload_xet(target: PushTarget, api: Any, op: Any, path: Path, report: TaskR
     from huggingface_hub._commit_api import _fetch_upload_modes
     from huggingface_hub.utils._xet import XetTokenType, xet_connection_info_refresh_url
 
-    where = target.where(path.name)
+    where = target.where(op.path_in_repo)
     headers = api._build_hf_headers(token=target.token)
 
     def mode() -> None:
@@ -148,10 +150,10 @@ def _upload_xet(target: PushTarget, api: Any, op: Any, path: Path, report: TaskR
     return op
 
 
-def _counted_add(path: Path, report: TaskReport) -> Any:
+def _counted_add(path: Path, report: TaskReport, path_in_repo: str) -> Any:
     """huggingface_hub's ``CommitOperationAdd`` of ``path`` whose file object reports the bytes the
     upload reads (to the run's bar, and to the tests that count them)."""
-    op = __getattr__("_CountedAdd")(path.name, str(path))
+    op = __getattr__("_CountedAdd")(path_in_repo, str(path))
     op.report = report
     return op
 

@@ -21,11 +21,12 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from k3lab.children import KERNEL_NAME, kernel_spec, python_command
 
 CELL_TIMEOUT = 600.0  # seconds one cell may run (converting a real layer takes under a minute)
 NOTEBOOK_TIMEOUT = 3600.0  # seconds a whole notebook may run
@@ -52,7 +53,7 @@ def declared_parameters(notebook: str | Path) -> frozenset[str]:
     if "file" not in names:
         raise K3LabError(
             f"{notebook}: has no 'file' parameter, so it cannot be run once per output file "
-            "(k3lab batch's notebooks: 01, 02 and 03 in notebooks/)"
+            "(k3lab batch's notebooks: 01, 02, 03 and 06 in notebooks/)"
         )
     return names
 
@@ -147,7 +148,7 @@ _RUN = """
 import json, sys, papermill
 args = json.loads(sys.argv[1])
 papermill.execute_notebook(args["notebook"], args["output"], parameters=args["parameters"],
-    kernel_name="python3", progress_bar=False, log_output=False, start_timeout=120,
+    kernel_name=args["kernel"], progress_bar=False, log_output=False, start_timeout=120,
     execution_timeout=args["cell_timeout"])
 """
 
@@ -159,9 +160,11 @@ def _papermill(task: NotebookTask, output: str, parameters: dict[str, Any]) -> s
         "output": output,
         "parameters": parameters,
         "cell_timeout": task.cell_timeout,
+        "kernel": KERNEL_NAME,
     }
     proc = subprocess.Popen(
-        [sys.executable, "-c", _RUN, json.dumps(args)],
+        python_command(_RUN, json.dumps(args)),  # (isolated, and so is its kernel)
+        env={**os.environ, **kernel_spec()},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

@@ -19,6 +19,7 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+from k3lab.children import isolated_spawning
 from k3lab.errors import K3LabError, MachineError
 from k3lab.pipeline.progress import RunProgress
 from k3lab.pipeline.running import worker
@@ -87,14 +88,15 @@ def run_pool(
     # decides how the run stops, even while a worker is still starting up
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        q = ctx.Queue()
-        pool = ProcessPoolExecutor(
-            max_workers=min(jobs, len(todo)),
-            mp_context=ctx,
-            initializer=worker.init_worker,
-            initargs=(q, os.getpid()),
-        )
-        pending = {pool.submit(run_task, task, k): k for k in todo}
+        with isolated_spawning():  # (the workers, all started by the submits, isolated: k3lab.children)
+            q = ctx.Queue()
+            pool = ProcessPoolExecutor(
+                max_workers=min(jobs, len(todo)),
+                mp_context=ctx,
+                initializer=worker.init_worker,
+                initargs=(q, os.getpid()),
+            )
+            pending = {pool.submit(run_task, task, k): k for k in todo}
     finally:
         signal.signal(signal.SIGINT, previous)
     stopping = False
@@ -132,8 +134,10 @@ def run_pool(
         if stopping:
             _stop_workers(pool)
             # a worker whose cleanup outlasted the grace was killed with its .partial left; this run
-            # holds the folder's lock, so every .partial there is its own
-            OutputFolder(task.out_dir).remove_partials()
+            # holds the folder's lock, so every .partial there (and in its variants' folders) is its own
+            folder = OutputFolder(task.out_dir)
+            for f in (folder, *(folder.variant(label) for label in task.variants)):
+                f.remove_partials()
         pool.shutdown(wait=True, cancel_futures=True)
         q.close()
         q.join_thread()

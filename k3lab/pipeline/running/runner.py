@@ -14,6 +14,7 @@ from typing import Any
 
 from tqdm.auto import tqdm  # a widget bar in a notebook, a text bar on a terminal
 
+from k3lab.children import isolated_spawning
 from k3lab.errors import K3LabError, MachineError
 from k3lab.pipeline.model import Model
 from k3lab.pipeline.planning.plan import Plan
@@ -28,6 +29,7 @@ from k3lab.pipeline.sources import open_source
 from k3lab.pipeline.sources.base import SourceSpec
 from k3lab.pipeline.state import OutputFolder
 from k3lab.pipeline.state.record import Published
+from k3lab.pipeline.streams import load_streams
 from k3lab.pipeline.writing.convert import FileResult
 from k3lab.pipeline.writing.single import make_beside
 
@@ -62,27 +64,40 @@ def convert_shards(
 ) -> list[FileResult]:
     """Convert the given output files (a list, a ``--shards`` string, or None: all), in this process,
     ``jobs`` at a time, or one Dask task each on the cluster at ``scheduler``; merge the manifest.
-    With ``publication``, every task publishes its file to the Hub repo from where it ran (on Dask
-    each worker writes into a folder of its own: nothing is shared but the Hub) and the run commits
-    them. Progress: none when ``quiet`` (errors only); shown on a terminal only when False; always
-    when None (a notebook, whose output is no terminal)."""
+    With ``publication``, every task publishes its file (and its variants') from where it ran (on Dask
+    in a folder of its own: nothing is shared but the Hub) and the run commits them. Progress: none
+    when ``quiet``; on a terminal only when False; always when None (a notebook's output is no terminal)."""
     options = options or RunOptions()
+    if publication and scheduler and any(v.imatrix and not v.imatrix.repo for v in options.variants):
+        raise K3LabError("--imatrix: workers sharing nothing but the Hub read it there: give ORG/NAME:PATH")
     say = None if quiet else _say
+    if scheduler is None:  # the files of numba's kernel read while the plan is made, before the disk is busy
+        load_streams(model.transforms.values(), warm=True)
     with start_run(model, spec, out_dir, options, run_token, shards, say) as (plan, token, numbers):
         spec = spec.with_options(plan.inputs.get("pinned") or {})  # every task reads what was planned
         push = publication.target if publication else None
         private = bool(push and scheduler)
+        labels = tuple(v.label for v in options.variants)
         task = Task(
-            plan.model, str(out_dir), spec, plan.inputs_digest, options.force, token, "", push, private
+            plan.model,
+            str(out_dir),
+            spec,
+            plan.inputs_digest,
+            options.force,
+            token,
+            "",
+            push,
+            private,
+            labels,
         )
-        return _convert_planned(plan, task, numbers, jobs, quiet, scheduler, publication, options, say)
+        return run_planned(plan, task, numbers, jobs, quiet, scheduler, publication, options, say)
 
 
 def _say(line: str) -> None:
     print(f"k3lab: {line}", file=sys.stderr, flush=True)
 
 
-def _convert_planned(
+def run_planned(
     plan: Plan,
     task: Task,
     numbers: list[int],
@@ -95,8 +110,10 @@ def _convert_planned(
 ) -> list[FileResult]:
     folder = OutputFolder(task.out_dir)
     committer = open_committer(plan, publication, say or _say) if publication else None
+    if committer is not None:
+        committer.made_as.update(folder.variant_commands(task.variants))
     results, todo = _found_complete(plan, task, numbers, folder, committer)
-    bar = _bar(plan, todo, quiet)
+    bar = _bar(plan, task, todo, quiet)
     progress = RunProgress(bar)
     failures: dict[int, K3LabError] = {}
     late: list[BaseException] = []
@@ -106,9 +123,13 @@ def _convert_planned(
 
             def finished(result: FileResult) -> None:
                 results.append(result)
-                if committer is not None and result.record is not None:
-                    folder.records.write(result.record)  # (the worker's folder may be another machine's)
-                    committer.add(result.upload, result.record)
+                made = [(None, result.record, result.upload)] + [
+                    (v.label, v.record, v.upload) for v in result.variants
+                ]
+                for label, record, uploaded in made if committer is not None else ():
+                    if record is not None:  # (kept here: the worker's folder may be another machine's)
+                        folder.keep_record(record, label)
+                        committer.add(uploaded, record, label or "")
 
             halt = threading.Event()
             failures = collect(
@@ -118,7 +139,7 @@ def _convert_planned(
     finally:
         for r in results:
             if not r.skipped:
-                progress.finished(r.number, plan.file(r.number).source_bytes)
+                progress.finished(r.number, _work(plan, task, r.number))
         bar.close()
         open_source(task.source).close()
         published_to = None
@@ -130,7 +151,7 @@ def _convert_planned(
             except K3LabError as e:
                 late.append(e)
         try:
-            folder.records.merge(published_to)
+            folder.merge_manifests(task.convert, task.variants, published_to)
         except K3LabError as e:  # (a full disk) reported after the errors that came first
             late.append(e)
     if failures:
@@ -224,9 +245,8 @@ def _run_notebooks(  # (the block of run_notebooks holding the folder)
     if not scheduler:
         from distributed import LocalCluster
 
-        cluster = LocalCluster(
-            n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None
-        )
+        with isolated_spawning():  # (its workers isolated from the current folder: k3lab.children)
+            cluster = LocalCluster(n_workers=workers, threads_per_worker=1, dashboard_address=None)
         scheduler = cluster.scheduler_address
     results: list[NotebookRun] = []
     bar = tqdm(
@@ -259,24 +279,57 @@ def _found_complete(
             todo.append(k)
             continue
         if committer is not None:
-            found = published(committer.state, pf.filename, pf.digest, k)
-            if found is not None:
-                folder.records.write(found)
-                done.append(FileResult(k, pf.filename, True, 0.0, pf.nbytes))
+            found = published(committer.state, pf.filename, pf.digest, k) if task.convert else True
+            theirs = [_variant_published(committer, folder, label, k) for label in task.variants]
+            if found is not None and all(theirs):
+                if task.convert:
+                    folder.records.write(found)  # type: ignore[arg-type]
+                done.append(FileResult(k, pf.filename, True, 0.0, pf.nbytes, variants=theirs))  # type: ignore[arg-type]
                 continue
-        elif folder.records.is_complete(k, pf.filename, pf.digest):
-            done.append(FileResult(k, pf.filename, True, 0.0, pf.nbytes))
-            continue
+        elif not task.convert or folder.records.is_complete(k, pf.filename, pf.digest):
+            variants = [_variant_done(folder, label, k) for label in task.variants]
+            if all(variants):
+                done.append(FileResult(k, pf.filename, True, 0.0, pf.nbytes, variants=variants))  # type: ignore[arg-type]
+                continue
         todo.append(k)
     return done, todo
 
 
-def _bar(plan: Plan, todo: list[int], quiet: bool | None) -> Any:
-    """The run's one byte bar (source bytes converted; bytes down and up beside them)."""
+def _variant_done(folder: OutputFolder, label: str, k: int) -> FileResult | None:
+    """File ``k`` of variant ``label``, when it is complete."""
+    variant = folder.variant(label)
+    vp = variant.variant_plan.load()
+    if vp is None or not variant.records.is_complete(k, vp.file(k).filename, vp.file(k).digest):
+        return None
+    return FileResult(k, vp.file(k).filename, True, 0.0, vp.file(k).nbytes, label=label)
+
+
+def _variant_published(committer: Committer, folder: OutputFolder, label: str, k: int) -> FileResult | None:
+    """File ``k`` of variant ``label`` when the repo holds it as this plan makes it (its record kept here)."""
+    vp = folder.variant(label).variant_plan.load()
+    found = published(committer.state, vp.file(k).filename, vp.file(k).digest, k, label) if vp else None
+    if found is None:
+        return None
+    folder.variant(label).records.write(found)
+    committer.add(None, found, label)
+    return FileResult(k, found.file, True, 0.0, found.size, label=label)
+
+
+def _work(plan: Plan, task: Task, k: int) -> int:
+    """File ``k``'s share of the run's bar: the source bytes converted, and the set's bytes each
+    variant reads."""
+    folder = OutputFolder(task.out_dir)
+    work = plan.file(k).source_bytes if task.convert else 0
+    for label in task.variants:
+        vp = folder.variant(label).variant_plan.load()
+        work += vp.file(k).source_bytes if vp is not None else 0
+    return work
+
+
+def _bar(plan: Plan, task: Task, todo: list[int], quiet: bool | None) -> Any:
+    """The run's one byte bar (source bytes converted and quantised; bytes down and up beside them)."""
     disable = {True: True, False: None, None: False}[quiet]  # tqdm's None: bars on a terminal only
-    return byte_bar(
-        sum(plan.file(k).source_bytes for k in todo), f"{len(todo)} files", disable if todo else True
-    )
+    return byte_bar(sum(_work(plan, task, k) for k in todo), f"{len(todo)} files", disable if todo else True)
 
 
 def _executor(
@@ -294,9 +347,9 @@ def _executor(
     if scheduler:
         from k3lab.pipeline.running.cluster import run_on_dask
 
-        state = folder.plans.export() if task.private else None
+        state = folder.exported_plans(task.variants) if task.private else None
         return run_on_dask(
-            run_task, task, todo, scheduler, progress, halt, lambda k: plan.file(k).source_bytes, state
+            run_task, task, todo, scheduler, progress, halt, lambda k: _work(plan, task, k), state
         )
     if jobs <= 1:
         return run_here(task, todo, progress, halt)
@@ -334,7 +387,11 @@ def _final_commit(
     records = list(committer.records.values())
     whole = complete and {r.file for r in records if r.is_text} >= {pf.filename for pf in plan.files}
     kvs = OutputFolder(out_dir).plans.kvs(plan) if whole else []
-    extra = extra_files(plan.model, plan, records, kvs, publication.target) if whole else None
+    extra = (
+        extra_files(plan.model, plan, records, kvs, publication.target, committer.variant_table())
+        if whole
+        else None
+    )
     commit = committer.commit(extra, "k3lab: the whole set" if extra else "")
     target = publication.target
     return Published(target.repo, target.branch, committer.made, commit or committer.state.commit)

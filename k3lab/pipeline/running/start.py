@@ -17,6 +17,8 @@ from k3lab.pipeline.planning.inputs import still_current
 from k3lab.pipeline.planning.plan import Plan
 from k3lab.pipeline.planning.planner import make_plan, plan_options
 from k3lab.pipeline.planning.split import Split
+from k3lab.pipeline.quantizing.start import plan_variants, save_variants
+from k3lab.pipeline.quantizing.variant import Variant
 from k3lab.pipeline.sources import open_source
 from k3lab.pipeline.sources.base import Source, SourceSpec
 from k3lab.pipeline.state import OutputFolder
@@ -32,6 +34,7 @@ class RunOptions:
     force: bool = False
     split: Split | None = None  # how the set is cut into files (None: as the folder's plan has it)
     note: str | None = None  # a line to say once every input is checked (which chat template goes in)
+    variants: tuple[Variant, ...] = ()  # quantised variants made of each file as it is converted
 
 
 def prepare(
@@ -127,7 +130,14 @@ def start_run(
         if isinstance(shards, list)
         else output_files(shards, len(plan.files))
     )
+    vplans = []
+    if options.variants:  # (planned before anything is written: a variant refused is one line)
+        vplans = plan_variants(plan, kvs or OutputFolder(out_dir).plans.kvs(plan), options.variants)
+        for note in (n for vp in vplans for n in vp.notes) if say is not None else ():
+            say(note)
     with OutputFolder(out_dir).begin(plan, kvs, run_token) as (token, gone):
+        if vplans and run_token is None:
+            save_variants(str(out_dir), vplans)
         if gone and say is not None:
             say(
                 f"the set is now {len(plan.files)} file{'s' if len(plan.files) > 1 else ''} "

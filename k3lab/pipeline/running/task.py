@@ -46,11 +46,28 @@ class Task:
     channel: str = ""  # on Dask: the run's event topic and stop Event (see ``cluster``)
     push: PushTarget | None = None  # publish each finished file there (see ``publish``)
     private: bool = False  # each Dask worker writes into a folder of its own (needs ``push``)
+    variants: tuple[str, ...] = ()  # quantised variants of each file, made right after it (their folders)
+    convert: bool = True  # False: the set's files are finished already (``k3lab quantize``)
+    threads: int | None = None  # threads quantising a variant's rows (default: the process's cores)
 
 
 @functools.lru_cache(maxsize=2)
 def task_plan(model: Model, out_dir: str, plan_digest: str) -> Plan:
     return OutputFolder(out_dir).plans.require(model, plan_digest)
+
+
+@functools.lru_cache(maxsize=8)
+def variant_plan(out_dir: str, label: str, identity: tuple) -> Any:
+    """A variant's saved plan (``identity``: its file's, so an edited or re-made plan is read again)."""
+    return OutputFolder(out_dir).variant(label).variant_plan.require()
+
+
+def _variant_plan(out_dir: str, label: str) -> Any:
+    from k3lab.pipeline.state.names import STATE_DIR, VARIANT_NAME
+    from k3lab.pipeline.state.proof import identity
+
+    found = identity(OutputFolder(out_dir).variant(label).path / STATE_DIR / VARIANT_NAME) or {}
+    return variant_plan(out_dir, label, tuple(sorted(found.items())))
 
 
 def _task_report(task: Task, number: int) -> TaskReport:
@@ -103,7 +120,9 @@ def run_task(
         out_dir, spec = worker_folder(task)
         folder = OutputFolder(out_dir)
         if plan_state is not None:
-            folder.plans.install(plan_state)
+            folder.plans.install({k: v for k, v in plan_state.items() if "/" not in k})
+            for label in task.variants:  # (exported as "LABEL/variant.json")
+                folder.variant(label).variant_plan.install(plan_state[f"{label}/variant"])
         plan = task_plan(task.model, out_dir, task.plan_digest)
         source = open_source(spec)
 
@@ -137,22 +156,35 @@ def run_task(
                     if stages is not None:  # (taken while this task still holds its worker thread)
                         until_converted.enter_context(held(stages.sources, report))
                     push = task.push
-                    result = convert_file(
-                        plan,
-                        number,
-                        source,
-                        out_dir,
-                        task.force,
-                        report,
-                        before_commit=before_commit,
-                        file_sha256=push is not None,
-                        acquired=acquired,
-                        then=then,
-                    )
+                    if task.convert:
+                        result = convert_file(
+                            plan,
+                            number,
+                            source,
+                            out_dir,
+                            task.force,
+                            report,
+                            before_commit=before_commit,
+                            file_sha256=push is not None,
+                            acquired=acquired,
+                            then=then,
+                        )
+                    else:
+                        acquired()
+                        pf = plan.file(number)
+                        result = FileResult(number, pf.filename, True, 0.0, pf.nbytes)
+                    result.variants = _make_variants(task, out_dir, number, report, before_commit)
                 if push is None:
                     return result
                 publish = functools.partial(
-                    _publish_file, push, folder, plan.file(number).filename, number, report, result
+                    _publish_file,
+                    push,
+                    folder,
+                    plan.file(number).filename,
+                    number,
+                    report,
+                    result,
+                    task.convert,
                 )
                 if stages is not None:
                     with held(stages.uploading, report):
@@ -167,21 +199,55 @@ def run_task(
         report.ended()
 
 
+def _make_variants(
+    task: Task, out_dir: str, number: int, report: TaskReport, before_commit: Any
+) -> list[FileResult]:
+    """File ``number`` of each variant, made from the set's file ``number`` where it was written."""
+    from k3lab.pipeline.quantizing.quantize import quantize_file
+
+    made = []
+    for label in task.variants:
+        result = quantize_file(
+            _variant_plan(out_dir, label),
+            number,
+            out_dir,
+            task.force,
+            report,
+            before_commit=before_commit,
+            file_sha256=task.push is not None,
+            n_threads=task.threads,
+            hub_token=task.source.token or (task.push.token if task.push else None),
+        )
+        result.label = label
+        made.append(result)
+    return made
+
+
 def _publish_file(
-    push: PushTarget, folder: OutputFolder, filename: str, number: int, report: TaskReport, result: FileResult
+    push: PushTarget,
+    folder: OutputFolder,
+    filename: str,
+    number: int,
+    report: TaskReport,
+    result: FileResult,
+    convert: bool = True,
 ) -> None:
-    """Upload a finished file from this machine; its record gains the file's SHA-256 and travels back
-    with the uploaded operation; the local copy goes unless ``keep_local``."""
-    record = folder.records.text(number)
-    if record is None:  # convert_file has just written or found it: never
-        raise K3LabError(f"{folder.output(filename)}: no record after converting it")
-    # the file's SHA-256 was made as it was written (a file found complete is hashed by the upload)
-    result.upload = upload(push, folder.output(filename), report, record.sha256)
-    record.sha256 = result.upload.upload_info.sha256.hex()
-    folder.records.write(record)
-    result.record = record
-    if not push.keep_local:
-        folder.remove_output(filename)
+    """Upload a finished file (when this run converted it) and its variants' from this machine (each
+    variant's into its folder of the repo); each record gains its file's SHA-256 and travels back with
+    the uploaded operation; the local copies go unless ``keep_local``."""
+    made = [(folder, filename, "", result)] if convert else []
+    made += [(folder.variant(v.label), v.filename, v.label, v) for v in result.variants]
+    for where, name, label, res in made:
+        record = where.records.text(number)
+        if record is None:  # convert_file or quantize_file has just written or found it: never
+            raise K3LabError(f"{where.output(name)}: no record after making it")
+        # the file's SHA-256 was made as it was written (a file found complete is hashed by the upload)
+        res.upload = upload(push, where.output(name), report, record.sha256, folder=label)
+        record.sha256 = res.upload.upload_info.sha256.hex()
+        where.records.write(record)
+        res.record = record
+        if not push.keep_local:
+            where.remove_output(name)
 
 
 def gives_up(e: K3LabError) -> bool:

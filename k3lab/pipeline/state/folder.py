@@ -17,6 +17,7 @@ import stat
 from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from k3lab.formats.files import PARTIAL, partial_path, remove_regular
 from k3lab.formats.gguf_stream import KV
@@ -32,7 +33,7 @@ from k3lab.pipeline.state.names import (
     plain_name,
     record_names,
 )
-from k3lab.pipeline.state.plans import Plans
+from k3lab.pipeline.state.plans import Plans, VariantPlans
 from k3lab.pipeline.state.record import MANIFEST_NAME
 from k3lab.pipeline.state.records import Records
 
@@ -55,6 +56,39 @@ class OutputFolder:
     @cached_property
     def records(self) -> Records:
         return Records(self)
+
+    @cached_property
+    def variant_plan(self) -> VariantPlans:
+        """A variant folder's plan (this folder is ``OUT/LABEL``)."""
+        return VariantPlans(self.state, self.create, self.check_state_dir)
+
+    def variant(self, label: str) -> OutputFolder:
+        """The folder of this set's variant ``label`` (``OUT/LABEL``: a plain name, never a path)."""
+        if label.startswith(".") or label == STATE_DIR:
+            raise FolderError(f"{label!r}: not a variant's name")
+        return OutputFolder(self.path / plain_name(label))
+
+    # --- a set and its variants, together ---------------------------------------------------------
+    def variant_commands(self, labels: tuple[str, ...]) -> dict[str, str]:
+        """Each planned variant's command (what its manifest says it was made as)."""
+        return {v: vp.command() for v in labels if (vp := self.variant(v).variant_plan.load())}
+
+    def keep_record(self, record: Any, label: str | None = None) -> None:
+        """A file's record, in the set's state (``label`` None) or in variant ``label``'s."""
+        (self if label is None else self.variant(label)).records.write(record)
+
+    def merge_manifests(self, convert: bool, labels: tuple[str, ...], published: Any = None) -> None:
+        """The set's ``MANIFEST.json`` (when this run converted) and each variant's, from the records."""
+        if convert:
+            self.records.merge(published)
+        commands = self.variant_commands(labels)
+        for label in labels:
+            self.variant(label).records.merge(made_as=commands.get(label, ""))
+
+    def exported_plans(self, labels: tuple[str, ...]) -> dict[str, str]:
+        """The set's saved plan and its variants' plans, as text (workers that share no folder)."""
+        state = self.plans.export()
+        return state | {f"{v}/variant": self.variant(v).variant_plan.export() for v in labels}
 
     # --- names ----------------------------------------------------------------------------------
     def output(self, name: str) -> Path:

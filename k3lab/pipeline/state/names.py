@@ -1,7 +1,7 @@
 """The names on disk of an output folder (README, "On-disk state"):
 
-OUT/NAME-000NN-of-000MM.gguf  finished text files of a split set, or OUT/NAME-SIZE-LABEL.gguf, the
-                              set's one file (``NAME.partial`` while written)
+OUT/NAME-TYPE-000NN-of-000MM.gguf  finished text files of a split set (``Kimi-K3-MXFP4-...``), or
+                              OUT/NAME-SIZE-TYPE.gguf, the set's one file (``NAME.partial`` while written)
 OUT/mmproj-*.gguf, tokenizer  the files beside the set (``vision``, ``tokenizer``, a publishing run)
 OUT/MANIFEST.json             every record merged; rebuilt from the records, plain JSON
 OUT/.k3lab/lock               held (``flock``) by the one run writing the folder: "PID TOKEN"
@@ -9,6 +9,9 @@ OUT/.k3lab/plan.json          the plan, naming the digest of file 1's KVs (writt
 OUT/.k3lab/kvs.json           file 1's planned metadata
 OUT/.k3lab/00001.json ...     one record per finished text file; mmproj.json, tokenizer.json
 OUT/.k3lab/scratch/           Hub downloads in flight (default ``--scratch``)
+OUT/LABEL/                    a quantised variant of the set (``k3lab quantize``, ``convert --variants``):
+                              its files, its MANIFEST.json, and LABEL/.k3lab/variant.json (its plan)
+                              beside its records
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from k3lab.errors import K3LabError
 
 STATE_DIR = ".k3lab"
 LOCK_NAME, PLAN_NAME, KVS_NAME, SCRATCH_NAME = "lock", "plan.json", "kvs.json", "scratch"
+VARIANT_NAME = "variant.json"  # a variant folder's plan
 SPLIT_NAME = re.compile(r".+-\d{5}-of-\d{5}\.gguf")
 RECORD_NAME = re.compile(r"(\d{5}|[a-z][a-z0-9_-]{0,31})\.json")
 
@@ -46,6 +50,6 @@ def record_names(state: Path) -> list[str]:
     names = [
         p.name
         for p in state.iterdir()
-        if RECORD_NAME.fullmatch(p.name) and p.name not in (PLAN_NAME, KVS_NAME)
+        if RECORD_NAME.fullmatch(p.name) and p.name not in (PLAN_NAME, KVS_NAME, VARIANT_NAME)
     ]
     return sorted(names, key=lambda n: (not n[0].isdigit(), n))

@@ -11,6 +11,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from k3lab.errors import K3LabError
 from k3lab.formats.files import InputFileError, read_bounded
@@ -18,7 +19,7 @@ from k3lab.formats.gguf_stream import KV, kvs_from_json, kvs_to_json
 from k3lab.pipeline.model import Model
 from k3lab.pipeline.planning.plan import Plan, PlanError, file_digest, kvs_digest
 from k3lab.pipeline.state.codec import STATE_LIMITS, read_state, state_body, write_atomically, write_state
-from k3lab.pipeline.state.names import KVS_NAME, PLAN_NAME
+from k3lab.pipeline.state.names import KVS_NAME, PLAN_NAME, VARIANT_NAME
 
 
 class Plans:
@@ -105,3 +106,51 @@ class Plans:
                 same = False
             if not same:
                 write_atomically(self.state / name, lambda fh, data=blobs[name]: fh.write(data))
+
+
+class VariantPlans:
+    """A variant folder's plan (``OUT/LABEL/.k3lab/variant.json``): saved whole, loaded only when
+    every file's digest re-derives from what it holds (else absent: planned again)."""
+
+    def __init__(self, state: Path, ready: Callable[[], None], exists: Callable[[], bool]):
+        self.state, self._ready, self._exists = state, ready, exists
+
+    def save(self, plan: Any) -> Path:
+        self._ready()
+        return write_state(self.state / VARIANT_NAME, "variant", plan.to_json())
+
+    def load(self) -> Any:
+        from k3lab.pipeline.quantizing.variant import VariantPlan
+
+        if not self._exists():
+            return None
+        data = read_state(self.state / VARIANT_NAME, "variant")
+        if data is None:
+            return None
+        try:
+            return VariantPlan.from_json(data)
+        except (K3LabError, KeyError, TypeError, ValueError, IndexError, AttributeError):
+            return None
+
+    def require(self, digest: str | None = None) -> Any:
+        """The saved plan, for a task: one line when there is none (or not this run's)."""
+        plan = self.load()
+        path = self.state / VARIANT_NAME
+        if plan is None:
+            raise PlanError(f"{path}: no usable variant plan (`k3lab quantize` makes it)")
+        if digest is not None and plan.digest != digest:
+            raise PlanError(f"{path}: the variant's plan changed under this run (another run re-planned?)")
+        return plan
+
+    def export(self) -> bytes:
+        return read_bounded(self.state / VARIANT_NAME, STATE_LIMITS["variant"], "variant file", follow=False)
+
+    def install(self, blob: bytes) -> None:
+        """A plan exported from another folder, unless these very bytes are there (proven on load)."""
+        self._ready()
+        try:
+            same = read_bounded(self.state / VARIANT_NAME, len(blob) + 1, "state file", follow=False) == blob
+        except InputFileError:
+            same = False
+        if not same:
+            write_atomically(self.state / VARIANT_NAME, lambda fh: fh.write(blob))

@@ -99,6 +99,7 @@ class TensorRecord:
     sha256: str
     transform: str = ""
     sources: tuple[SourceRef, ...] = ()
+    why: str = ""  # a variant's tensor: why it has its type (llama.cpp's rule, an override)
 
     @property
     def end(self) -> int:
@@ -114,7 +115,7 @@ class TensorRecord:
             "sha256": self.sha256,
             "transform": self.transform,
             "sources": [s.to_json() for s in self.sources],
-        }
+        } | ({"why": self.why} if self.why else {})
 
     @classmethod
     def from_json(cls, t: Any, where: str) -> TensorRecord:
@@ -128,7 +129,7 @@ class TensorRecord:
             ):
                 raise ManifestError(f"{where}: field 'sources' is missing or malformed")
             sources.append(SourceRef(s["name"], s["file"]))
-        transform = t.get("transform", "")
+        transform, why = t.get("transform", ""), t.get("why", "")
         return cls(
             t["name"],
             t["type"],
@@ -138,6 +139,7 @@ class TensorRecord:
             t["sha256"],
             transform if isinstance(transform, str) else "",
             tuple(sources),
+            why if isinstance(why, str) else "",
         )
 
 
@@ -317,7 +319,9 @@ class Published:
         )
 
 
-def write_manifest(fh: BinaryIO, records: Iterable[Record], published: Published | None = None) -> None:
+def write_manifest(
+    fh: BinaryIO, records: Iterable[Record], published: Published | None = None, made_as: str = ""
+) -> None:
     """``MANIFEST.json``, streamed one record at a time (at real scale the records add up to tens of
     MB), keys sorted: the one writer of a manifest, in an output folder and in a repo. Beside the
     records, ``tensors`` gives every tensor by name as the seed kit reads a manifest
@@ -332,17 +336,19 @@ def write_manifest(fh: BinaryIO, records: Iterable[Record], published: Published
         for t in rec.tensors:
             view[t.name] = {"ne": list(t.ne), "sha256": t.sha256, "type": int(GGMLQuantizationType[t.type])}
     fh.write(f'\n ],\n "format": {json.dumps(FORMAT)}'.encode())
+    if made_as:  # a variant's: the llama-quantize command that makes its bytes from the set
+        fh.write(b',\n "made_as": ' + json.dumps(made_as).encode())
     if published is not None:
         fh.write(b',\n "published": ' + json.dumps(published.to_json(), sort_keys=True).encode())
     fh.write(b',\n "tensors": ' + json.dumps(view, sort_keys=True).encode())
     fh.write(b"\n}\n")
 
 
-def manifest_bytes(records: Iterable[Record], published: Published | None = None) -> bytes:
+def manifest_bytes(records: Iterable[Record], published: Published | None = None, made_as: str = "") -> bytes:
     import io
 
     buf = io.BytesIO()
-    write_manifest(buf, records, published)
+    write_manifest(buf, records, published, made_as)
     return buf.getvalue()
 
 
@@ -352,6 +358,7 @@ class Manifest:
 
     records: list[Record]
     published: Published | None = None
+    made_as: str = ""  # a variant's manifest: the llama-quantize command that makes its bytes
 
     def __iter__(self) -> Iterator[Record]:
         return iter(self.records)
@@ -367,4 +374,6 @@ def read_manifest(data: bytes, where: str) -> Manifest:
     if not isinstance(man, dict) or not isinstance(man.get("files"), list):
         raise ManifestError(f"{where}: not a k3lab manifest (no list of files)")
     records = [Record.from_json(rec, f"{where}: files[{i}]") for i, rec in enumerate(man["files"])]
-    return Manifest(records, Published.from_json(man.get("published")))
+    made_as = man.get("made_as")
+    made_as = made_as[:4096] if isinstance(made_as, str) else ""
+    return Manifest(records, Published.from_json(man.get("published")), made_as)

@@ -108,12 +108,12 @@ class Records:
         """Names of record files that do not read as records (for verify to report)."""
         return [name for name, rec in self._each() if rec is None]
 
-    def merge(self, published: Published | None = None) -> Path:
+    def merge(self, published: Published | None = None, made_as: str = "") -> Path:
         """Rebuild ``MANIFEST.json`` from the records, streaming (one record in memory at a time).
         ``published``: where the set was pushed, by this run (a later run's manifest says nothing of
-        it: its files may have changed since)."""
+        it: its files may have changed since); ``made_as``: a variant's command."""
         records = (rec for _, rec in self._each() if rec is not None)
-        write_atomically(self.folder.manifest, lambda fh: write_manifest(fh, records, published))
+        write_atomically(self.folder.manifest, lambda fh: write_manifest(fh, records, published, made_as))
         return self.folder.manifest
 
     def manifest(self, path: Path | None = None) -> Manifest:

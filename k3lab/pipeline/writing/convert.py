@@ -30,6 +30,7 @@ from k3lab.pipeline.sources.base import Source
 from k3lab.pipeline.state import OutputFolder
 from k3lab.pipeline.state.proof import header_sha256, identity
 from k3lab.pipeline.state.record import Record, SourceRef, TensorRecord
+from k3lab.pipeline.streams import load_streams
 
 # bytes hinted at a task's start, read while the header is written and numba loads: what a source
 # reads ahead at most (a larger hint would be refused whole)
@@ -121,7 +122,9 @@ class PlannedInputs(Reader):
         if self.acquired is not None:
             hook, self.acquired = self.acquired, None
             hook()
-        # the disk starts on what follows while the header is written and numba's kernel loads
+        # numba's kernel loads (its files asked for at the run's start) and the disk starts on what
+        # follows while the header is written
+        load_streams(t.transform_fn for t in self.pf.tensors)
         self.start(n for t in self.pf.tensors for n in t.sources if n in self.entries)
 
     def open_for(self, position: int, pt: PlannedTensor) -> None:
@@ -239,6 +242,8 @@ class FileResult:
     record: Record | None = None  # published: the file's record (the client keeps it)
     upload: Any = None  # published: the uploaded file's operation, for the client's commit
     pending: Any = None  # published in the background: a future that is done when it is uploaded
+    variants: list[FileResult] = field(default_factory=list)  # the variants made of it, on the same worker
+    label: str = ""  # a variant's: its name (its folder in the set)
 
 
 def file_kvs(plan: Plan, number: int, folder: OutputFolder) -> list[KV]:

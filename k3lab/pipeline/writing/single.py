@@ -177,14 +177,16 @@ def convert_tokenizer(
     return out
 
 
-def beside_names(model: Model, basename: str) -> dict[str, str]:
+def beside_names(model: Model, basename: str, config: Any) -> dict[str, str]:
     """The files a set of ``basename`` has beside it, by their record's key: the standalone tokenizer
-    GGUF and the model's single file (Kimi-K3: ``Kimi-K3-tokenizer.gguf``, ``mmproj-Kimi-K3-BF16.gguf``)."""
+    GGUF and the model's single file, named by its type (Kimi-K3: ``Kimi-K3-tokenizer.gguf``,
+    ``mmproj-Kimi-K3-BF16.gguf``; from an F32 checkpoint, ``mmproj-Kimi-K3-F32.gguf``)."""
     names = {}
     if model.tokenizer_kvs is not None:
         names["tokenizer"] = model.tokenizer_name.format(basename=basename)
-    if model.single is not None:
-        names[model.single.key] = model.single.file_name.format(basename=basename, key=model.single.key)
+    if (single := model.single) is not None:
+        type_name = single.type_name(config) if single.type_name is not None else ""
+        names[single.key] = single.file_name.format(basename=basename, key=single.key, type=type_name)
     return names
 
 
@@ -199,7 +201,7 @@ def make_beside(
     """The files beside the set, written into ``out_dir`` as part of the run holding it (a publishing
     run makes them once the set is whole); their records."""
     folder = OutputFolder(out_dir)
-    names = beside_names(model, basename)
+    names = beside_names(model, basename, model.load_config(spec.meta_dir))
     if "tokenizer" in names:
         convert_tokenizer(model, spec.meta_dir, folder.output(names["tokenizer"]), chat_template, run_token)
     if model.single is not None:

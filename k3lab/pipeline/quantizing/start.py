@@ -1,0 +1,76 @@
+"""Starting a variant run: every variant planned against the set's saved plan before anything is
+written (a variant llama-quantize would refuse is one line here), then the plans saved in their
+folders (``OUT/LABEL/.k3lab/variant.json``) while the run holds the set's folder; what the run's
+tasks need to find them (their labels)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+from k3lab.errors import K3LabError
+from k3lab.formats.gguf_stream import KV
+from k3lab.pipeline.model import Model
+from k3lab.pipeline.planning.plan import Plan
+from k3lab.pipeline.quantizing.variant import Variant, VariantPlan, plan_variant
+from k3lab.pipeline.state import OutputFolder
+from k3lab.values import output_files
+
+
+def plan_variants(
+    plan: Plan, kvs: list[KV], variants: Sequence[Variant], forecast: bool = False
+) -> list[VariantPlan]:
+    """Each variant's plan (ggml's version from the library that will quantise: loaded here, so a
+    machine without llama-cpp-python is told so before any work); ``forecast``: sizes only."""
+    from k3lab.formats.ggml import ggml
+
+    labels = [v.label for v in variants]
+    if len(set(labels)) != len(labels):
+        raise K3LabError(f"variants {', '.join(labels)}: each needs a name of its own (--label)")
+    version = ggml().version
+    return [plan_variant(plan, kvs, v, version, forecast) for v in variants]
+
+
+def save_variants(out_dir: str, plans: Sequence[VariantPlan]) -> None:
+    """Each plan into its folder (what a killed earlier run left there removed first)."""
+    folder = OutputFolder(out_dir)
+    for vp in plans:
+        vf = folder.variant(vp.label)
+        vf.create()
+        vf.remove_partials()
+        vf.variant_plan.save(vp)
+
+
+@contextlib.contextmanager
+def start_variants(
+    model: Model,
+    set_dir: str,
+    variants: Sequence[Variant],
+    shards: str | list[int] | None = None,
+    say: Callable[[str], None] | None = None,
+) -> Iterator[tuple[Plan, str, list[int], list[VariantPlan]]]:
+    """A run making variants of the finished set in ``set_dir`` (``k3lab quantize``): planned, the
+    chosen files checked finished, then the set's folder held (no conversion may change a file while
+    it is read) and the plans saved. Yields (the set's plan, the run's token, files, variant plans)."""
+    folder = OutputFolder(set_dir)
+    plan = folder.plans.require(model)
+    vplans = plan_variants(plan, folder.plans.kvs(plan), variants)
+    numbers = output_files(
+        ",".join(map(str, shards)) if isinstance(shards, list) else shards, len(plan.files)
+    )
+    missing = [
+        k for k in numbers if not folder.records.is_complete(k, plan.file(k).filename, plan.file(k).digest)
+    ]
+    if missing:
+        first = plan.file(missing[0]).filename
+        raise K3LabError(
+            f"{folder.output(first)}: not a finished file of the set ({len(missing)} of {len(numbers)} are "
+            "not): a variant is made from the lossless files; convert them first (or give --files)"
+        )
+    if say is not None:
+        for vp in vplans:
+            for note in vp.notes:
+                say(note)
+    with folder.hold() as token:
+        save_variants(set_dir, vplans)
+        yield plan, token, numbers, vplans
