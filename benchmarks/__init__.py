@@ -25,9 +25,11 @@ straightforward implementation), because these machines are shared and noisy. Ro
               the same view again, notebook 01's planning (every shard's header, nothing else), and
               `verify ORG/NAME` of a sparse full-size GGUF set (headers, --sample 1, --all's memory)
   dense       one real-size MoE shard with real bytes (a `full` checkpoint's shard 2, its data filled
-              with random bytes: 16 GB), each run from an empty page cache (as root: drop_caches;
+              with random bytes: 17 GB), each run from an empty page cache (as root: drop_caches;
               said when not): convert it, against a `dd iflag=direct oflag=direct` copy of the same
-              file, in paired rounds
+              file and two `dd`s at once (one reading it, one writing as many bytes: the floor of a
+              converter that reads and writes together), rounds taking turns at going first; the
+              disk's busy share and the CPU of k3lab's runs
   cluster     a real `dask scheduler` and one `dask worker` (then two) publishing 6 MoE layer shards at
               the real expert dims (16 experts each) from the loopback Hub to the loopback Hub, each
               worker's link paced both ways (K3LAB_LINK bytes/s down, K3LAB_UPLINK up; default 40e6

@@ -3,11 +3,13 @@ its densified shard, the machine a table was measured on."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +106,61 @@ def _timed(cmd: list[str]) -> float:
     t = time.perf_counter()
     subprocess.run(cmd, check=True)
     return time.perf_counter() - t
+
+
+@dataclass(frozen=True)
+class DiskRun:
+    """One command's wall time, the disk's busy share over it and the CPU its processes used."""
+
+    seconds: float
+    busy: float  # the device's io_ticks over the wall time (1.0: a request in flight all along)
+    read_gb: float
+    written_gb: float
+    cpu: float  # user + system seconds of the command's processes
+
+
+def _device_of(path: Path) -> str | None:
+    """The block device (its name in /proc/diskstats) holding ``path``, None where it cannot be told."""
+    st = os.stat(path)
+    try:
+        return Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}").resolve().name
+    except OSError:
+        return None
+
+
+def _diskstats(device: str | None) -> tuple[int, int, int]:
+    """Bytes read, bytes written and milliseconds busy of ``device`` so far (zeros where unknown)."""
+    if device:
+        with contextlib.suppress(OSError), open("/proc/diskstats") as fh:
+            for line in fh:
+                f = line.split()
+                if f[2] == device:
+                    return int(f[5]) * 512, int(f[9]) * 512, int(f[12])
+    return 0, 0, 0
+
+
+def timed_on_disk(cmds: list[list[str]], where: Path) -> DiskRun:
+    """Run ``cmds`` at once (each a process of its own), until all have ended: the wall time, and what
+    the disk holding ``where`` and the processes did meanwhile."""
+    import resource
+    import subprocess
+
+    device = _device_of(where)
+    before, used = _diskstats(device), resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    procs = [subprocess.Popen(cmd) for cmd in cmds]
+    codes = [proc.wait() for proc in procs]
+    seconds = time.perf_counter() - t
+    after, done = _diskstats(device), resource.getrusage(resource.RUSAGE_CHILDREN)
+    if any(codes):
+        raise subprocess.CalledProcessError(max(codes), cmds[codes.index(max(codes))])
+    return DiskRun(
+        seconds=seconds,
+        busy=(after[2] - before[2]) / 1e3 / seconds,
+        read_gb=(after[0] - before[0]) / 1e9,
+        written_gb=(after[1] - before[1]) / 1e9,
+        cpu=done.ru_utime + done.ru_stime - used.ru_utime - used.ru_stime,
+    )
 
 
 def _layer_row(experts: int) -> list[tuple[str, str, str]]:
