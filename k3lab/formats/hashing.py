@@ -73,6 +73,15 @@ def wait(upto: int | None = None) -> None:
         raise error
 
 
+def stop() -> None:
+    """End the hashing thread once what it was given is done (a process about to exit: an idle pool
+    thread still counts as running, and an exit that waits for it tears the interpreter down)."""
+    with _lane_lock:
+        lane = _lane.pop() if _lane else None
+    if lane is not None:
+        lane.shutdown(wait=True)
+
+
 def sha256() -> Any:
     return hashlib.sha256()
 

@@ -94,6 +94,38 @@ def test_a_task_on_a_file_without_mxfp4_never_imports_numba(tiny_src: Path, tmp_
     assert out.split()[-2:] == ["0", "True"], out
 
 
+def test_a_local_conversion_imports_no_hub_client_nor_ggml_and_leaves_without_teardown(
+    tiny_src: Path, tmp_path: Path
+) -> None:
+    """A command's fixed cost: converting a local copy, unpublished and with no variant, imports neither
+    the Hub's HTTP client (publishing's transport) nor quantising (ggml's binding); and the ``k3lab`` command then
+    leaves at once (``entry.run``), its hashing thread ended rather than waited for by a teardown of
+    the interpreter (0.17 s after a conversion). A witness object says whether the teardown ran."""
+    code = f"""
+import sys
+class Witness:
+    def __del__(self):
+        print("torn down", flush=True)
+witness = Witness()
+sys.argv = ["k3lab", "convert", "--meta", {str(tiny_src)!r}, "--out-dir", {str(tmp_path)!r},
+            "--split-max-tensors", "1", "--files", "3", "--quiet"]
+import atexit
+def loaded():
+    ggml = sys.modules.get("k3lab.formats.ggml")  # (its types are plain data: the binding is what costs)
+    binding = ["ggml()"] if ggml is not None and ggml.ggml.cache_info().currsize else []
+    return binding + sorted(m for m in sys.modules if m.startswith(("k3lab.pipeline.quantizing.start",
+        "k3lab.pipeline.quantizing.quantize", "k3lab.pipeline.hub.transport", "k3lab.pipeline.hub.xet",
+        "huggingface_hub", "httpx", "llama_cpp")))
+atexit.register(lambda: print(loaded(), flush=True))
+from k3lab.entry import run
+run()
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == "[]", r.stdout  # (the summary line comes first)
+    assert "torn down" not in r.stdout, r.stdout
+
+
 def test_a_run_asks_for_numbas_files_without_importing_it() -> None:
     """``warm_kernel`` (a run's start) brings llvmlite's library into the page cache, where loading
     the kernel from a cold cache would read it beside the conversion's own I/O; numba stays unimported."""

@@ -30,7 +30,6 @@ from typing import Any
 
 from k3lab.errors import K3LabError
 from k3lab.formats.hashing import git_blob_hash
-from k3lab.pipeline.hub import transport
 from k3lab.pipeline.hub.retry import with_retries
 from k3lab.pipeline.publishing.card import EXTRA_NAMES, extra_files
 from k3lab.pipeline.publishing.upload import PushTarget, upload
@@ -140,6 +139,8 @@ MAX_VARIANTS = 64  # variant folders (LABEL/MANIFEST.json) a repo's state reads
 def _repo_manifest(target: PushTarget, commit: str, path: str, size: int) -> Any:
     """A manifest of the repo (``MANIFEST.json`` or a variant's ``LABEL/MANIFEST.json``), read by a
     ranged GET of exactly its listed size and parsed with bounded depth."""
+    from k3lab.pipeline.hub import transport  # (here: a run that publishes nothing never imports it)
+
     where = target.where(path)
     if size > MANIFEST_LIMIT:
         raise PublishError(f"{where}: {size} bytes, larger than any k3lab manifest")

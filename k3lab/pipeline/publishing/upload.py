@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3lab.pipeline.hub import transport, xet
 from k3lab.pipeline.hub.retry import RETRY_BUDGET, current, fold_hf_logging, with_retries
 from k3lab.pipeline.progress import NO_REPORT, TaskReport
 
@@ -34,6 +33,8 @@ class PushTarget:
 
     def api(self) -> Any:
         from huggingface_hub import HfApi
+
+        from k3lab.pipeline.hub import transport  # (here: a run that publishes nothing never imports it)
 
         transport.install()
         fold_hf_logging()
@@ -90,6 +91,8 @@ _said: list[str] = []
 def xet_path() -> bool:
     """Whether this process uploads through Xet; when hf_xet is there but k3lab cannot watch it,
     huggingface_hub is told to use LFS instead, and that is said once, in one line."""
+    from k3lab.pipeline.hub import xet
+
     why = xet.unusable()
     if why is None:
         return True
@@ -110,6 +113,8 @@ def _upload_xet(target: PushTarget, api: Any, op: Any, path: Path, report: TaskR
     from huggingface_hub import constants
     from huggingface_hub._commit_api import _fetch_upload_modes
     from huggingface_hub.utils._xet import XetTokenType, xet_connection_info_refresh_url
+
+    from k3lab.pipeline.hub import xet
 
     where = target.where(op.path_in_repo)
     headers = api._build_hf_headers(token=target.token)

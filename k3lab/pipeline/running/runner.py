@@ -12,8 +12,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm  # a widget bar in a notebook, a text bar on a terminal
-
 from k3lab.children import isolated_spawning
 from k3lab.errors import K3LabError, MachineError
 from k3lab.pipeline.model import Model
@@ -236,6 +234,8 @@ def _run_notebooks(  # (the block of run_notebooks holding the folder)
     timeouts: tuple[float, float],
     say: Callable[[str], None] | None,
 ) -> list[Any]:
+    from tqdm.auto import tqdm  # a widget bar in a notebook, a text bar on a terminal
+
     from k3lab.pipeline.running.batch import NotebookRun, notebook_task, run_notebook
     from k3lab.pipeline.running.cluster import run_on_dask
 

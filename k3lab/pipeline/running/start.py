@@ -10,14 +10,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm.auto import tqdm  # a widget bar in a notebook, a text bar on a terminal
-
 from k3lab.pipeline.model import Model
 from k3lab.pipeline.planning.inputs import still_current
 from k3lab.pipeline.planning.plan import Plan
 from k3lab.pipeline.planning.planner import make_plan, plan_options
 from k3lab.pipeline.planning.split import Split
-from k3lab.pipeline.quantizing.start import plan_variants, save_variants
 from k3lab.pipeline.quantizing.variant import Variant
 from k3lab.pipeline.sources import open_source
 from k3lab.pipeline.sources.base import Source, SourceSpec
@@ -61,6 +58,8 @@ def prepare(
         saved, source, plan_options(options.outtype, basename, options.chat_template, split)
     ):
         return saved, None
+    from tqdm.auto import tqdm  # a widget bar in a notebook, a text bar on a terminal
+
     bar = tqdm(
         desc="planning: headers read",
         unit=" file",
@@ -132,6 +131,8 @@ def start_run(
     )
     vplans = []
     if options.variants:  # (planned before anything is written: a variant refused is one line)
+        from k3lab.pipeline.quantizing.start import plan_variants, save_variants  # (ggml's binding)
+
         vplans = plan_variants(plan, kvs or OutputFolder(out_dir).plans.kvs(plan), options.variants)
         for note in (n for vp in vplans for n in vp.notes) if say is not None else ():
             say(note)

@@ -203,6 +203,8 @@ def _make_variants(
     task: Task, out_dir: str, number: int, report: TaskReport, before_commit: Any
 ) -> list[FileResult]:
     """File ``number`` of each variant, made from the set's file ``number`` where it was written."""
+    if not task.variants:
+        return []  # (nothing of ggml's imported)
     from k3lab.pipeline.quantizing.quantize import quantize_file
 
     made = []
