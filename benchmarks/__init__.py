@@ -18,7 +18,9 @@ straightforward implementation), because these machines are shared and noisy. Ro
               headless by papermill (wall time, peak RSS)
   startup     `k3lab --help` and `k3lab verify` of the tiny set (whole commands, best of 7), at this
               checkout and at K3LAB_BASELINE (a git ref, default the commit before "one way in"): what
-              a command imports before it does anything
+              a command imports before it does anything; `convert`, `verify` and `plan` of the tiny
+              model against `python -c pass`; and a planned real-size file's edges under strace: from
+              the command's start to its first source read, from its last write to its exit
   remote      looking without downloading, at the real model's size (`synth --preset full` served by
               the loopback Hub in another process, one link paced at K3LAB_LINK bytes/s, default 200e6):
               notebook 02's view of one layer (bytes against the shard, time against bytes/rate),

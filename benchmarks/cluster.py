@@ -32,7 +32,7 @@ def bench_cluster() -> list[tuple[str, str, str]]:
     with tempfile.TemporaryDirectory(prefix="k3lab-bench-", dir=".") as tmp_name:
         tmp = Path(tmp_name).resolve()
         src = _six_layers(tmp / "src")
-        k3 = [sys.executable, "-m", "k3lab.cli"]
+        k3 = [sys.executable, "-m", "k3lab"]
         # the conversion alone, from a local copy (what the disk and the CPU take)
         _fresh(tmp / "local")
         t = time.perf_counter()

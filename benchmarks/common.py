@@ -394,7 +394,7 @@ def fill_dense(full: Path, shard: str, dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     for f in full.iterdir():
         if f.name != shard and not (dest / f.name).exists():
-            (dest / f.name).symlink_to(f)
+            (dest / f.name).symlink_to(f.resolve())  # (absolute: a relative one would point beside itself)
     target = dest / shard
     size = (full / shard).stat().st_size
     if target.exists() and target.stat().st_size == size and target.stat().st_blocks * 512 >= size:

@@ -25,7 +25,7 @@ def bench_dense() -> list[tuple[str, str, str]]:
         shard = min(p.name for p in full.glob("model-00002-of-*.safetensors"))  # (layer 1's, Moonshot's name)
         dense = fill_dense(full, shard, Path(os.environ.get("K3LAB_DENSE") or tmp / "dense"))
         out = tmp / "out"
-        k3 = [sys.executable, "-m", "k3lab.cli"]
+        k3 = [sys.executable, "-m", "k3lab"]
         subprocess.run(
             [*k3, "plan", "--meta", str(dense), "--out-dir", str(out)], check=True, capture_output=True
         )

@@ -39,7 +39,7 @@ def bench_fullscale() -> list[tuple[str, str, str]]:
         if not (src / "config.json").exists():
             synthesize("full", src)
         out = Path(tmp) / "out"
-        k3 = [sys.executable, "-m", "k3lab.cli"]
+        k3 = [sys.executable, "-m", "k3lab"]
         base = [*k3, "convert", "--meta", str(src), "--out-dir", str(out), "--quiet"]
 
         t_plan, rss_plan, _ = _run_timed([*k3, "plan", "--meta", str(src), "--out-dir", str(out)])

@@ -19,7 +19,7 @@ def bench_layouts() -> list[tuple[str, str, str]]:
     from k3lab.kimi_k3.synth import synthesize
 
     rows: list[tuple[str, str, str]] = []
-    k3 = [sys.executable, "-m", "k3lab.cli"]
+    k3 = [sys.executable, "-m", "k3lab"]
     with tempfile.TemporaryDirectory(dir=".") as tmp_name:
         tmp = Path(tmp_name)
         layouts = {"moonshot": None, "by-size:5000000000": None}

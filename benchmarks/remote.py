@@ -125,7 +125,7 @@ def bench_remote() -> list[tuple[str, str, str]]:
                 )
             # --all: memory while streaming (stopped after a minute: it would read 1.42 TiB)
             proc = subprocess.Popen(
-                [sys.executable, "-m", "k3lab.cli", "verify", "k3lab-test/Kimi-K3-GGUF", "--all", "--quiet"],
+                [sys.executable, "-m", "k3lab", "verify", "k3lab-test/Kimi-K3-GGUF", "--all", "--quiet"],
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,

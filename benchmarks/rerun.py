@@ -22,7 +22,7 @@ def bench_rerun() -> list[tuple[str, str, str]]:
     with tempfile.TemporaryDirectory(dir=".") as tmp:
         src = _full_checkpoint(Path(tmp))
         out = Path(tmp) / "out"
-        k3 = [sys.executable, "-m", "k3lab.cli"]
+        k3 = [sys.executable, "-m", "k3lab"]
 
         def plan() -> tuple[float, int, str]:  # (a new folder each time: a folder's plan is made once)
             planned = Path(tmp) / "planned"

@@ -68,7 +68,7 @@ def bench_variants() -> list[tuple[str, str, str]]:
     with tempfile.TemporaryDirectory(dir=".") as tmp:
         tmp = Path(tmp).resolve()  # (the commands run in it: paths absolute)
         synthesize("layer", tmp / "src")
-        subprocess.run([sys.executable, "-m", "k3lab.cli", "convert", "--meta", str(tmp / "src"), "--out-dir",
+        subprocess.run([sys.executable, "-m", "k3lab", "convert", "--meta", str(tmp / "src"), "--out-dir",
                         str(tmp / "set"), "--split-max-tensors", "1", "--quiet"], check=True, capture_output=True)  # fmt: skip
         first = tmp / "set" / "Kimi-K3-MXFP4-00001-of-00003.gguf"
         size = (tmp / "set" / "Kimi-K3-MXFP4-00002-of-00003.gguf").stat().st_size
@@ -86,7 +86,7 @@ def bench_variants() -> list[tuple[str, str, str]]:
                 ref.mkdir(exist_ok=True)
                 llama = [str(quantize), "--keep-split", "--allow-requantize", *im, str(first),
                          str(ref / f"Kimi-K3-{ftype}.gguf"), ftype, str(os.cpu_count())]  # fmt: skip
-                ours = [sys.executable, "-m", "k3lab.cli", "quantize", str(tmp / "set"), "--type", ftype, *im,
+                ours = [sys.executable, "-m", "k3lab", "quantize", str(tmp / "set"), "--type", ftype, *im,
                         "--force", "--quiet"]  # fmt: skip
                 for key, cmd in (("llama", llama), ("k3lab", ours)):
                     os.sync()
@@ -128,7 +128,7 @@ def _forecast(tmp: Path) -> list[tuple[str, str, str]]:
     from k3lab.variants import VariantRequest, forecast
 
     full = _full_checkpoint(tmp)
-    subprocess.run([sys.executable, "-m", "k3lab.cli", "plan", "--meta", str(full), "--out-dir", str(tmp / "fullplan")],
+    subprocess.run([sys.executable, "-m", "k3lab", "plan", "--meta", str(full), "--out-dir", str(tmp / "fullplan")],
                    check=True, capture_output=True)  # fmt: skip
     plans = forecast(Request(out_dir=str(tmp / "fullplan")), VariantRequest(",".join(FORECAST)))
     speeds = _speeds({t.type for vp in plans for f in vp.files for t in f.tensors if t.quantized})
