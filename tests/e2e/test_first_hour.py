@@ -8,6 +8,8 @@ import argparse
 import importlib.util
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,6 +44,11 @@ def test_version_is_the_packages() -> None:
         done.returncode == 0
         and done.stdout.strip() == f"k3lab {__version__}" == f"k3lab {project['version']}"
     )
+    # `python -m k3lab` is the same command (the benchmarks time it so)
+    module = subprocess.run(
+        [sys.executable, "-m", "k3lab", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert (module.returncode, module.stdout) == (0, done.stdout), module.stderr
 
 
 def test_the_examples_run_verbatim_after_the_demo(tmp_path: Path) -> None:
