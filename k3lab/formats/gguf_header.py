@@ -91,10 +91,12 @@ class _Cursor:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
 
     def string(self) -> str:
+        """A string's bytes as a ``str``; bytes that are not UTF-8 kept as surrogate escapes (so the
+        bytes come back whole: ``str.encode("utf-8", "surrogateescape")``)."""
         n = self.unpack("<Q")
         if n > len(self.data) + (1 << 30):
             raise GGUFHeaderError(f"a string of {n} bytes")
-        return bytes(self.take(n)).decode("utf-8", errors="replace")
+        return bytes(self.take(n)).decode("utf-8", errors="surrogateescape")
 
     def skip_strings(self, count: int) -> None:
         """Walk past ``count`` strings (a vocabulary: the one loop that runs per item)."""
@@ -138,9 +140,15 @@ def _value(c: _Cursor, vtype: int, keep: bool, budget: _Budget) -> Any:
         return _scalar(c, vtype)
     stack: list[tuple[int, int]] = []  # (item type, items left) of each array open
     itype, count = _array_head(c)
-    if keep and itype == GGUFValueType.STRING and count <= MAX_KEPT_STRINGS:  # (an imatrix's datasets)
-        budget.spend(count)
-        return [c.string() for _ in range(count)]
+    if (
+        keep and itype == GGUFValueType.STRING
+    ):  # (an imatrix's datasets: the first ones kept, the rest walked past)
+        kept = min(count, MAX_KEPT_STRINGS)
+        budget.spend(kept)
+        out = [c.string() for _ in range(kept)]
+        budget.spend(count - kept)
+        c.skip_strings(count - kept)
+        return out
     stack.append((itype, count))
     while stack:
         itype, left = stack.pop()
@@ -169,9 +177,19 @@ def _array_head(c: _Cursor) -> tuple[int, int]:
     return itype, count
 
 
-def parse(data: bytes | memoryview, keep: tuple[str, ...] = (), size: int | None = None) -> Header:
+LOADER_MAX_DIMS = 4  # GGML_MAX_DIMS
+LOADER_MAX_NAME = 64  # GGML_MAX_NAME: a tensor's name is shorter
+
+
+def parse(
+    data: bytes | memoryview, keep: tuple[str, ...] = (), size: int | None = None, loader: bool = False
+) -> Header:
     """The header at the start of ``data`` (the keys named in ``keep`` read, the others skipped);
-    ``NeedMore`` when ``data`` ends first. ``size``: the whole file's, which every tensor must fit."""
+    ``NeedMore`` when ``data`` ends first. ``size``: the whole file's, which every tensor must fit.
+    ``loader``: also what ggml's own loader (``gguf_init_from_file``, as ``llama-quantize`` reads an
+    imatrix) refuses: an empty or repeated key, a tensor name repeated or of 64 bytes or more, more
+    than 4 dimensions, a shape of over 2**63 elements, tensors not laid out one after another (each at
+    the end of the one before, padded to the alignment), a file that ends before its data does."""
     c = _Cursor(data)
     if bytes(c.take(4)) != MAGIC:
         raise GGUFHeaderError("not a GGUF file (no GGUF magic)")
@@ -186,15 +204,32 @@ def parse(data: bytes | memoryview, keep: tuple[str, ...] = (), size: int | None
     header = Header(version)
     wanted = set(keep) | {"general.alignment"}
     budget = _Budget()
+    keys: set[str] = set()
     for _ in range(n_kv):
         key = c.string()
+        if loader and (not key or key in keys):
+            raise GGUFHeaderError(
+                f"key {printable(key)!r} {'repeated' if key else 'empty'} (ggml's loader refuses it)"
+            )
+        keys.add(key)
         value = _value(c, c.unpack("<I"), key in wanted, budget)
         if key in wanted:
             header.kvs[key] = value
     infos = []
+    names: set[str] = set()
     for _ in range(n_tensors):
         name = c.string()
         dims = c.unpack("<I")
+        if loader:
+            shown = printable(name[:80])
+            if len(name.encode("utf-8", "surrogateescape")) >= LOADER_MAX_NAME or name in names:
+                raise GGUFHeaderError(
+                    f"tensor {shown}: a name {'repeated' if name in names else 'of 64 bytes or more'} "
+                    "(ggml's loader refuses it)"
+                )
+            if dims > LOADER_MAX_DIMS:
+                raise GGUFHeaderError(f"tensor {shown}: {dims} dimensions (ggml's loader takes at most 4)")
+            names.add(name)
         if dims > MAX_DIMS:
             raise GGUFHeaderError(f"tensor {printable(name)}: {dims} dimensions")
         ne = tuple(c.unpack("<Q") for _ in range(dims))
@@ -209,6 +244,10 @@ def parse(data: bytes | memoryview, keep: tuple[str, ...] = (), size: int | None
         elements = 1
         for n in ne:
             elements *= n
+        if loader and (elements >= 1 << 63 or any(n >= 1 << 63 for n in ne)):
+            raise GGUFHeaderError(
+                f"tensor {printable(name)}: a shape of {list(ne)} (ggml's loader refuses it)"
+            )
         if ne and ne[0] % block:
             raise GGUFHeaderError(
                 f"tensor {printable(name)}: {ne[0]} values do not fill {qtype.name} blocks of {block}"
@@ -218,6 +257,19 @@ def parse(data: bytes | memoryview, keep: tuple[str, ...] = (), size: int | None
     if not isinstance(align, int) or align <= 0 or align & (align - 1):
         raise GGUFHeaderError(f"general.alignment {align!r} is not a power of two")
     header.data_start = c.pos + (-c.pos % align)
+    if loader:
+        end = 0
+        for name, _, _, offset, nbytes in infos:
+            if offset != end:
+                raise GGUFHeaderError(
+                    f"tensor {printable(name)}: at offset {offset} of the data, not {end} (ggml's loader "
+                    "takes tensors one after another)"
+                )
+            end += nbytes + -nbytes % align
+        if size is not None and header.data_start + end > size:
+            raise GGUFHeaderError(
+                f"ends at byte {size}, before its data does ({header.data_start + end}): cut short?"
+            )
     for name, qtype, ne, offset, nbytes in infos:
         start = header.data_start + offset
         if offset % align or (size is not None and start + nbytes > size):

@@ -19,6 +19,7 @@ import numpy as np
 
 _lane: list[ThreadPoolExecutor] = []
 _lane_lock = threading.Lock()
+_inputs: list[ThreadPoolExecutor] = []  # the lane of hashes of what is read (nothing waits on them in order)
 
 
 class _Queue(threading.local):
@@ -73,12 +74,23 @@ def wait(upto: int | None = None) -> None:
         raise error
 
 
-def stop() -> None:
-    """End the hashing thread once what it was given is done (a process about to exit: an idle pool
-    thread still counts as running, and an exit that waits for it tears the interpreter down)."""
+def on_read_lane(fn: Any, *args: Any) -> Future:
+    """``fn(*args)`` on a hashing thread of its own, for bytes that were read (a source's): the
+    writer's queue never waits for these; what is given runs in the order given."""
     with _lane_lock:
-        lane = _lane.pop() if _lane else None
-    if lane is not None:
+        if not _inputs:
+            _inputs.append(ThreadPoolExecutor(1, thread_name_prefix="k3lab-sha256-read"))
+        return _inputs[0].submit(fn, *args)
+
+
+def stop() -> None:
+    """End the hashing threads once what they were given is done (a process about to exit: an idle
+    pool thread still counts as running, and an exit that waits for it tears the interpreter down)."""
+    with _lane_lock:
+        lanes = [*_lane, *_inputs]
+        _lane.clear()
+        _inputs.clear()
+    for lane in lanes:
         lane.shutdown(wait=True)
 
 

@@ -59,6 +59,10 @@ class Entry:
     sums: tuple[int, int]
     counts: tuple[int, int] | None = None
     ncall: int = 0
+    sha256: str = ""  # of its sums' bytes, then its counts' (``entry_sha256``), once the whole file was read
+
+    def proven(self, digest: str) -> Entry:
+        return Entry(self.name, self.n, self.m, self.sums, self.counts, self.ncall, digest)
 
     @property
     def nbytes(self) -> int:
@@ -72,13 +76,14 @@ class Entry:
             list(self.sums),
             list(self.counts) if self.counts else None,
             self.ncall,
-        ]
+        ] + ([self.sha256] if self.sha256 else [])
 
     @classmethod
     def from_json(cls, row: list) -> Entry:
-        name, n, m, sums, counts, ncall = row
+        name, n, m, sums, counts, ncall, *sha = row
         return cls(str(name), int(n), int(m), (int(sums[0]), int(sums[1])),
-                   (int(counts[0]), int(counts[1])) if counts else None, int(ncall))  # fmt: skip
+                   (int(counts[0]), int(counts[1])) if counts else None, int(ncall),
+                   str(sha[0]) if sha else "")  # fmt: skip
 
 
 @dataclass
@@ -108,7 +113,7 @@ def _gguf_index(read: Read, size: int, where: str) -> IMatrix:
     want = min(size, HEADER_STEP)
     while True:
         try:
-            header = parse(read(0, want), keep=KEYS, size=size)
+            header = parse(read(0, want), keep=KEYS, size=size, loader=True)
             break
         except NeedMore as more:
             if more.at_least > size:
@@ -195,16 +200,31 @@ def _legacy_index(read: Read, size: int, where: str) -> IMatrix:
     return IMatrix(entries, datasets, chunks, 0, True, size)
 
 
+def entry_sha256(sums: bytes, counts: bytes | None) -> str:
+    import hashlib
+
+    return hashlib.sha256(sums + (counts or b"")).hexdigest()
+
+
 def vector(entry: Entry, read: Read, where: str) -> np.ndarray:
     """What llama-quantize gives ggml for this entry: float32 [m * n], normalised as it normalises
-    (see the module's docstring); a value that is not finite is one line (llama-quantize refuses it)."""
-    sums = np.frombuffer(read(*entry.sums), dtype="<f4").astype(np.float32)
+    (see the module's docstring); a value that is not finite is one line (llama-quantize refuses it);
+    an entry whose bytes are not the ones its ``sha256`` says (the file changed since it was read
+    whole) is one line too."""
+    raw_sums = read(*entry.sums)
+    raw_counts = read(*entry.counts) if entry.counts is not None else None
+    if entry.sha256 and entry_sha256(raw_sums, raw_counts) != entry.sha256:
+        raise IMatrixError(
+            f"{where}: entry {printable(entry.name)}: its bytes are not the ones read when the run began "
+            "(the imatrix changed since): nothing made from it"
+        )
+    sums = np.frombuffer(raw_sums, dtype="<f4").astype(np.float32)
     if sums.size != entry.n * entry.m:
         raise IMatrixError(f"{where}: entry {printable(entry.name)}: read {sums.size} sums")
     if entry.counts is None:  # legacy
         out = sums / np.float32(entry.ncall) if entry.ncall > 0 else sums.copy()
     else:
-        raw = np.frombuffer(read(*entry.counts), dtype="<f4")
+        raw = np.frombuffer(raw_counts, dtype="<f4")  # type: ignore[arg-type]
         if raw.size != entry.m or not np.all(np.isfinite(raw)) or np.any(np.abs(raw) > 2.0**62):
             raise IMatrixError(f"{where}: entry {printable(entry.name)}: counts are not {entry.m} counts")
         # std::lround: halves away from zero; then the int64 as a float

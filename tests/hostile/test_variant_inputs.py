@@ -5,6 +5,7 @@ changed under its record is never quantised."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -203,3 +204,70 @@ def test_sigterm_of_a_variant_run_on_two_processes_leaves_no_partial_and_no_proc
     assert subprocess.run(cmd, timeout=600).returncode == 0
     for label in types.split(","):
         assert main(["verify", str(set_dir / label), "--quiet"]) == 0
+
+
+def test_a_variant_folder_that_is_a_link_is_refused(set_dir: Path, tmp_path: Path, capsys) -> None:
+    """``OUT/LABEL`` a symlink to a folder elsewhere: one line, nothing written there (nor here)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (set_dir / "Q8_0").symlink_to(elsewhere)
+    before = _tree(set_dir)
+    assert main(["quantize", str(set_dir), "--type", "Q8_0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Q8_0: is a symlink" in err[0], err
+    assert list(elsewhere.iterdir()) == [] and _tree(set_dir) == before
+
+
+def test_a_variant_plan_edited_while_a_run_goes_on_is_not_obeyed(set_dir: Path, capsys) -> None:
+    """The plan is saved once by the run; a task finding another one there (edited, its digests made
+    to hold) makes nothing from it: the run fails for the files after the edit, in one line each."""
+    from k3lab.pipeline.quantizing import quantize as quantize_mod
+    from k3lab.pipeline.quantizing.variant import file_digest
+    from k3lab.pipeline.state import OutputFolder
+
+    real = quantize_mod.quantize_file
+    seen: list[int] = []
+
+    def then_edit(plan, number, *a, **k):
+        result = real(plan, number, *a, **k)
+        if not seen:
+            vp = OutputFolder(set_dir).variant("Q8_0").variant_plan.load()
+            f = vp.file(3)
+            f.tensors = [t if i else dataclasses.replace(t, type="Q4_0") for i, t in enumerate(f.tensors)]
+            f.digest = file_digest(vp, f)
+            OutputFolder(set_dir).variant("Q8_0").variant_plan.save(vp)
+        seen.append(number)
+        return result
+
+    quantize_mod.quantize_file = then_edit
+    try:
+        assert main(["quantize", str(set_dir), "--type", "Q8_0", "--quiet"]) == 2
+    finally:
+        quantize_mod.quantize_file = real
+    assert seen == [1]
+    err = capsys.readouterr().err
+    assert "the variant's plan changed under this run" in err
+    assert sorted(p.name for p in (set_dir / "Q8_0").glob("*.gguf")) == ["Kimi-K3-Q8_0-00001-of-00009.gguf"]
+
+
+def test_a_set_converted_again_into_other_files_leaves_no_old_variant_file(
+    tiny_src: Path, tmp_path: Path
+) -> None:
+    """A one-file set and its variant, then the set converted a layer per file into the same folder:
+    the next ``quantize`` removes the variant's file of the other split with its record; the manifest
+    lists the new files only."""
+    from conftest import convert
+
+    out = tmp_path / "out"
+    assert convert(tiny_src, out, per_layer=False) == 0
+    assert main(["quantize", str(out), "--type", "Q8_0", "--quiet"]) == 0
+    (old,) = [p.name for p in (out / "Q8_0").glob("*.gguf")]
+    assert convert(tiny_src, out) == 0
+    assert main(["quantize", str(out), "--type", "Q8_0", "--quiet"]) == 0
+    names = sorted(p.name for p in (out / "Q8_0").glob("*.gguf"))
+    assert old not in names and len(names) == 9
+    import json
+
+    listed = [f["file"] for f in json.loads((out / "Q8_0" / "MANIFEST.json").read_text())["files"]]
+    assert sorted(listed) == names
+    assert main(["verify", str(out / "Q8_0"), "--src", str(out), "--quiet"]) == 0

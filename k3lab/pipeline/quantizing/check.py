@@ -33,6 +33,20 @@ def rederive_variant(
             add("rederive", rec.file, f"{rec.file}: not a file of the variant's plan")  # type: ignore[operator]
             continue
         vf = plan.file(rec.number)
+        if rec.plan_digest != vf.digest:
+            add("plan", rec.file, f"{rec.file}: not made by the variant's plan as it is now (edited since?)")  # type: ignore[operator]
+        made_from, own = (
+            folder.records.text(vf.source_number),
+            folder.variant(plan.label).records.text(rec.number),
+        )
+        read = (own.read.get(vf.source) or {}).get("sha256") if own is not None else None
+        if made_from is not None and read is not None and read != made_from.content_digest():
+            add(  # type: ignore[operator]
+                "stale",
+                rec.file,
+                f"{rec.file}: stale: made from {vf.source} as it was before the set was converted again "
+                "(k3lab quantize makes it again)",
+            )
         want = {t.name: t.sha256 for t in rec.tensors}
         try:
             src = LosslessFile(folder, vf.source_number, vf.source, vf.source_digest)

@@ -2,10 +2,12 @@
 a Hub repo, ``ORG/NAME:PATH`` (read by ranged GETs at one pinned commit, through the range cache:
 a task fetches only the entries of its own file's tensors).
 
-The plan reads the imatrix's index once and records the file's identity: locally its SHA-256 (made
-once, at plan time) and what the file system says of it; on the Hub the commit and its SHA-256 (its
-LFS oid). A task finds a local file changed since (another size, time or inode) and stops in one
-line; on the Hub it reads at the commit, so nothing can change under it.
+The plan reads the imatrix's index once and records the file's identity: locally its SHA-256 and
+each entry's (made once, at plan time, reading it whole) and what the file system says of it; on the
+Hub the commit and its SHA-256 (its LFS oid). A task finds a local file changed since (another size,
+time or inode) and stops in one line, and checks every entry it reads against the entry's SHA-256 (a
+file changed in place under an open descriptor, mid-run, is caught there); on the Hub it reads at the
+commit, so nothing can change under it. Every Hub request goes through k3lab's bounded transport.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 from k3lab.errors import K3LabError
 from k3lab.formats.files import InputFileError, open_regular
-from k3lab.formats.imatrix import MAX_VALUES, Entry, IMatrix, Read, read_index, vector
+from k3lab.formats.imatrix import MAX_VALUES, Entry, IMatrix, Read, entry_sha256, read_index, vector
 from k3lab.pipeline.state.proof import identity
 
 
@@ -89,8 +91,13 @@ def open_imatrix(location: str) -> IMatrixUse:
         h = hashlib.sha256()
         for at in range(0, size, 16 << 20):
             h.update(read(at, min(16 << 20, size - at)))
-        for entry in index.entries.values():  # every value finite, as llama-quantize demands, before any work
+        for (
+            name,
+            entry,
+        ) in index.entries.items():  # every value finite, as llama-quantize demands, before any work
             vector(entry, read, str(path))
+            counts = read(*entry.counts) if entry.counts is not None else None
+            index.entries[name] = entry.proven(entry_sha256(read(*entry.sums), counts))
         ident = identity(path)
     finally:
         os.close(fd)
@@ -141,12 +148,14 @@ def _hub_imatrix(repo: str, path: str, revision: str | None) -> IMatrixUse:
     from huggingface_hub import HfApi
 
     from k3lab import values
+    from k3lab.pipeline.hub import transport
     from k3lab.pipeline.hub.env import hub_env
     from k3lab.pipeline.hub.retry import with_retries
 
     values.repo_id(repo, "--imatrix")
     if revision is not None:
         values.revision(revision, "--imatrix")
+    transport.install()  # (every request bounded in bytes and time, as every other Hub read)
     env = hub_env()
     where = f"--imatrix {repo}:{path}"
     api = HfApi(endpoint=env.endpoint, token=env.token)
@@ -174,6 +183,7 @@ def _hub_reader(use: IMatrixUse, token: str | None) -> Read:
     from k3lab.pipeline.hub.ranges import FileIdentity, RangeCache
     from k3lab.pipeline.hub.retry import with_retries
 
+    transport.install()
     env = hub_env()
     token = token or env.token
     total = use.index.size

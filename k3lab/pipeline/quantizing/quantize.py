@@ -217,9 +217,10 @@ def quantize_file(
     """Write file ``number`` of the variant (into ``set_dir/LABEL/``) from the set's finished file
     of the same number, unless a complete, matching one is there already."""
     vf: VariantFile = plan.file(number)
-    folder = OutputFolder(Path(set_dir) / plan.label)
+    folder = OutputFolder(set_dir).variant(plan.label)
+    folder.create()  # (a real directory inside the set: one line for a link, before anything is read)
     t0 = time.perf_counter()
-    if not force and folder.records.is_complete(number, vf.filename, vf.digest):
+    if not force and OutputFolder(set_dir).variant_file_complete(plan.label, number, vf.filename, vf.digest):
         report.read(vf.source_bytes)
         return FileResult(number, vf.filename, True, 0.0, vf.nbytes)
     lib = ggml()
@@ -268,6 +269,7 @@ def quantize_file(
             sources=[src.source_file()],
             identity=identity(path) or {},
             sha256=g.file_sha256 or "",
+            read={vf.source: {"identity": None, "sha256": src.record.content_digest()}},
         )
     )
     return FileResult(number, vf.filename, False, time.perf_counter() - t0, vf.nbytes)

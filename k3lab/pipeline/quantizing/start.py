@@ -32,13 +32,16 @@ def plan_variants(
 
 
 def save_variants(out_dir: str, plans: Sequence[VariantPlan]) -> None:
-    """Each plan into its folder (what a killed earlier run left there removed first)."""
+    """Each plan into its folder (what a killed earlier run left there removed first, and the files
+    of another split of the set, with their records: a manifest never lists both)."""
     folder = OutputFolder(out_dir)
     for vp in plans:
         vf = folder.variant(vp.label)
         vf.create()
         vf.remove_partials()
         vf.variant_plan.save(vp)
+        if vf.records.retire(vp):
+            vf.records.merge(made_as=vp.command())
 
 
 @contextlib.contextmanager
@@ -55,6 +58,8 @@ def start_variants(
     folder = OutputFolder(set_dir)
     plan = folder.plans.require(model)
     vplans = plan_variants(plan, folder.plans.kvs(plan), variants)
+    for vp in vplans:  # (a folder that is a link, or holds a link for .k3lab: one line, before anything)
+        folder.variant(vp.label).check_state_dir()
     numbers = output_files(
         ",".join(map(str, shards)) if isinstance(shards, list) else shards, len(plan.files)
     )

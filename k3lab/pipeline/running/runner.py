@@ -28,7 +28,7 @@ from k3lab.pipeline.sources.base import SourceSpec
 from k3lab.pipeline.state import OutputFolder
 from k3lab.pipeline.state.record import Published
 from k3lab.pipeline.streams import load_streams
-from k3lab.pipeline.writing.convert import FileResult
+from k3lab.pipeline.writing.convert import FileResult, is_converted
 from k3lab.pipeline.writing.single import make_beside
 
 
@@ -76,6 +76,7 @@ def convert_shards(
         push = publication.target if publication else None
         private = bool(push and scheduler)
         labels = tuple(v.label for v in options.variants)
+        saved = [OutputFolder(out_dir).variant(v).variant_plan.load() for v in labels]
         task = Task(
             plan.model,
             str(out_dir),
@@ -87,6 +88,7 @@ def convert_shards(
             push,
             private,
             labels,
+            variant_digests=tuple(vp.digest if vp else "" for vp in saved),
         )
         return run_planned(plan, task, numbers, jobs, quiet, scheduler, publication, options, say)
 
@@ -273,6 +275,7 @@ def _found_complete(
     """The chosen files already done (in the folder, or, publishing, in the repo: its record is the
     resume evidence), found here and sent nowhere; and those to do."""
     done, todo = [], []
+    source = open_source(task.source) if task.convert and task.source.changes_in_place else None
     for k in numbers:
         pf = plan.file(k)
         if task.force:
@@ -286,7 +289,7 @@ def _found_complete(
                     folder.records.write(found)  # type: ignore[arg-type]
                 done.append(FileResult(k, pf.filename, True, 0.0, pf.nbytes, variants=theirs))  # type: ignore[arg-type]
                 continue
-        elif not task.convert or folder.records.is_complete(k, pf.filename, pf.digest):
+        elif not task.convert or is_converted(folder, k, pf, source):
             variants = [_variant_done(folder, label, k) for label in task.variants]
             if all(variants):
                 done.append(FileResult(k, pf.filename, True, 0.0, pf.nbytes, variants=variants))  # type: ignore[arg-type]
@@ -299,7 +302,7 @@ def _variant_done(folder: OutputFolder, label: str, k: int) -> FileResult | None
     """File ``k`` of variant ``label``, when it is complete."""
     variant = folder.variant(label)
     vp = variant.variant_plan.load()
-    if vp is None or not variant.records.is_complete(k, vp.file(k).filename, vp.file(k).digest):
+    if vp is None or not folder.variant_file_complete(label, k, vp.file(k).filename, vp.file(k).digest):
         return None
     return FileResult(k, vp.file(k).filename, True, 0.0, vp.file(k).nbytes, label=label)
 

@@ -49,6 +49,7 @@ class Task:
     variants: tuple[str, ...] = ()  # quantised variants of each file, made right after it (their folders)
     convert: bool = True  # False: the set's files are finished already (``k3lab quantize``)
     threads: int | None = None  # threads quantising a variant's rows (default: the process's cores)
+    variant_digests: tuple[str, ...] = ()  # each variant's plan as this run saved it (its digest)
 
 
 @functools.lru_cache(maxsize=2)
@@ -57,17 +58,18 @@ def task_plan(model: Model, out_dir: str, plan_digest: str) -> Plan:
 
 
 @functools.lru_cache(maxsize=8)
-def variant_plan(out_dir: str, label: str, identity: tuple) -> Any:
-    """A variant's saved plan (``identity``: its file's, so an edited or re-made plan is read again)."""
-    return OutputFolder(out_dir).variant(label).variant_plan.require()
+def variant_plan(out_dir: str, label: str, identity: tuple, digest: str | None) -> Any:
+    """A variant's saved plan, the one its run saved (``digest``: one line for any other);
+    ``identity``: its file's, so an edited or re-made plan is read again."""
+    return OutputFolder(out_dir).variant(label).variant_plan.require(digest)
 
 
-def _variant_plan(out_dir: str, label: str) -> Any:
+def _variant_plan(out_dir: str, label: str, digest: str | None = None) -> Any:
     from k3lab.pipeline.state.names import STATE_DIR, VARIANT_NAME
     from k3lab.pipeline.state.proof import identity
 
     found = identity(OutputFolder(out_dir).variant(label).path / STATE_DIR / VARIANT_NAME) or {}
-    return variant_plan(out_dir, label, tuple(sorted(found.items())))
+    return variant_plan(out_dir, label, tuple(sorted(found.items())), digest)
 
 
 def _task_report(task: Task, number: int) -> TaskReport:
@@ -208,9 +210,10 @@ def _make_variants(
     from k3lab.pipeline.quantizing.quantize import quantize_file
 
     made = []
-    for label in task.variants:
+    for i, label in enumerate(task.variants):
+        digest = task.variant_digests[i] if i < len(task.variant_digests) else None
         result = quantize_file(
-            _variant_plan(out_dir, label),
+            _variant_plan(out_dir, label, digest),
             number,
             out_dir,
             task.force,

@@ -95,6 +95,12 @@ class SourceSpec:
     def option(self, name: str, default: Any = None) -> Any:
         return dict(self.options).get(name, default)
 
+    @property
+    def changes_in_place(self) -> bool:
+        """Whether its files can change under an output file made from them (a folder's can; a Hub
+        source reads one pinned commit, every download checked against its SHA-256)."""
+        return self.kind == "local"
+
     def describe(self) -> str:
         return self.location
 

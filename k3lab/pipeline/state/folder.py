@@ -41,9 +41,10 @@ from k3lab.pipeline.state.records import Records
 class OutputFolder:
     """``OUT/`` and its state. Cheap to make; touches the disk only when asked."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, within: OutputFolder | None = None):
         self.path = Path(path)
         self.state = self.path / STATE_DIR
+        self.within = within  # a variant's folder: the set's, which it must be inside, as a real directory
 
     @cached_property
     def lock(self) -> FolderLock:
@@ -66,9 +67,18 @@ class OutputFolder:
         """The folder of this set's variant ``label`` (``OUT/LABEL``: a plain name, never a path)."""
         if label.startswith(".") or label == STATE_DIR:
             raise FolderError(f"{label!r}: not a variant's name")
-        return OutputFolder(self.path / plain_name(label))
+        return OutputFolder(self.path / plain_name(label), within=self)
 
     # --- a set and its variants, together ---------------------------------------------------------
+    def variant_file_complete(self, label: str, number: int, filename: str, digest: str) -> bool:
+        """File ``number`` of variant ``label`` is the one its record describes, made by its plan
+        from the set's file ``number`` as that file is recorded now (a set file converted again, from
+        a source that changed, makes the variant files made from it stale)."""
+        made_from = self.records.text(number)
+        return made_from is not None and self.variant(label).records.is_complete(
+            number, filename, digest, made_from
+        )
+
     def variant_commands(self, labels: tuple[str, ...]) -> dict[str, str]:
         """Each planned variant's command (what its manifest says it was made as)."""
         return {v: vp.command() for v in labels if (vp := self.variant(v).variant_plan.load())}
@@ -110,14 +120,37 @@ class OutputFolder:
 
     # --- the folder itself ----------------------------------------------------------------------
     def create(self) -> None:
-        """``OUT/`` and ``OUT/.k3lab/``, the latter a real directory (never a symlink to elsewhere)."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        """``OUT/`` and ``OUT/.k3lab/``, the latter a real directory (never a symlink to elsewhere);
+        a variant's ``OUT/LABEL/`` too."""
+        if self.within is not None:
+            self.within.path.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):  # (then it must be a real directory: checked next)
+                os.mkdir(self.path)
+            self._check_real()
+        else:
+            self.path.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileExistsError):  # (then it must be a real directory: checked next)
             os.mkdir(self.state)
         self.check_state_dir()
 
+    def _check_real(self) -> None:
+        """A variant's folder is a real directory of the set's folder: k3lab never writes elsewhere
+        through a link."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+            raise FolderError(
+                f"{self.path}: is {kind}; a variant's folder is a real directory inside its set's folder"
+            )
+
     def check_state_dir(self) -> bool:
-        """Whether ``.k3lab`` exists; one line when it is anything but a real directory."""
+        """Whether ``.k3lab`` exists; one line when it is anything but a real directory (or, a
+        variant's, its folder is not)."""
+        if self.within is not None:
+            self._check_real()
         try:
             st = os.lstat(self.state)
         except FileNotFoundError:

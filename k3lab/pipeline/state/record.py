@@ -194,10 +194,23 @@ class Record:
     sha256: str = ""
     # the file as written (size, mtime_ns, ino, dev: ``proof.identity``); kept in .k3lab/ only
     identity: dict[str, int] = field(default_factory=dict)
+    # what it read of each input file, proven by content (``writing.sources_read``): file ->
+    # {"identity": the file's when reading began, or None; "sha256": its digest, or None}; .k3lab/ only
+    read: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def is_text(self) -> bool:
         return self.kind == "text"
+
+    def content_digest(self) -> str:
+        """What the recorded file holds, in one SHA-256: its header's and every tensor's (a file made
+        from it records this, so a file made again with other bytes makes it stale)."""
+        import hashlib
+
+        h = hashlib.sha256(f"{self.file}\0{self.size}\0{self.header_sha256}\n".encode())
+        for t in self.tensors:
+            h.update(f"{t.name}\0{t.offset}\0{t.sha256}\n".encode())
+        return h.hexdigest()
 
     @property
     def state_name(self) -> str:
@@ -232,6 +245,8 @@ class Record:
             out["sha256"] = self.sha256
         if state and self.identity:
             out["identity"] = self.identity
+        if state and self.read:
+            out["read"] = self.read
         return out
 
     @classmethod
@@ -261,12 +276,28 @@ class Record:
             and all(_int(v) and v >= 0 for v in ident.values())
         ):
             raise ManifestError(f"{where}: field 'identity' is malformed")
+        read = rec.get("read") or {}
+        if not (isinstance(read, dict) and len(read) <= 1_000_000 and all(map(_read_entry, read.values()))):
+            raise ManifestError(f"{where}: field 'read' is malformed")
         kept = {k: rec[k] for k in fields if k not in ("tensors", "sources")}
         try:
             sources = [SourceFile.from_json(s) for s in rec.get("sources", [])]
         except ValueError as e:
             raise ManifestError(f"{where}: field 'sources' is malformed ({e})") from None
-        return cls(**kept, tensors=tensors, sha256=sha, identity=ident, sources=sources)
+        return cls(**kept, tensors=tensors, sha256=sha, identity=ident, sources=sources, read=read)
+
+
+_READ_IDENTITY = {"size", "mtime_ns", "ctime_ns", "ino", "dev"}  # (``formats.files.file_identity``)
+
+
+def _read_entry(v: Any) -> bool:
+    if not isinstance(v, dict) or set(v) != {"identity", "sha256"}:
+        return False
+    ident, sha = v["identity"], v["sha256"]
+    ident_ok = ident is None or (
+        isinstance(ident, dict) and set(ident) == _READ_IDENTITY and all(_int(x) for x in ident.values())
+    )
+    return ident_ok and (sha is None or _sha(sha))
 
 
 def _check_ranges(tensors: list[TensorRecord], data_start: int, size: int, where: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from k3lab.formats.files import InputFileError, read_bounded, remove_regular
 from k3lab.pipeline.planning.plan import Plan
@@ -76,12 +76,20 @@ class Records:
         rec = self.read(text_record_name(number))
         return rec if rec is not None and rec.is_text and rec.number == number else None
 
-    def is_complete(self, number: int, filename: str, plan_digest: str) -> bool:
+    def is_complete(
+        self, number: int, filename: str, plan_digest: str, made_from: Record | None = None
+    ) -> bool:
         """The resume test: the record is this plan's, and the file is the one it describes (its
         identity as recorded, or else every byte: ``proof``). A file proven by its bytes gets its
-        new identity recorded (a copied folder is checked once)."""
+        new identity recorded (a copied folder is checked once). ``made_from``: the record of the
+        file it is made from (a variant's: the set's file), which must be the one it read then."""
         rec = self.text(number)
         if rec is None or rec.plan_digest != plan_digest or rec.file != filename:
+            return False
+        if (
+            made_from is not None
+            and (rec.read.get(made_from.file) or {}).get("sha256") != made_from.content_digest()
+        ):
             return False
         path = self.folder.output(filename)
         if not is_recorded_file(path, rec):
@@ -125,10 +133,11 @@ class Records:
             raise ManifestError(str(e)) from None
         return read_manifest(data, str(path))
 
-    def retire(self, plan: Plan) -> list[str]:
-        """A new plan cuts the set into other files (another split, a new version's default): the
-        files of the earlier split k3lab recorded here go, with their records (a file is deleted only
-        when it is the one its record describes: a user's file of that name is kept). Their names."""
+    def retire(self, plan: Plan | Any) -> list[str]:
+        """A new plan cuts the set into other files (another split, a new version's default; a
+        variant's plan: its set's files): the files of the earlier split k3lab recorded here go, with
+        their records (a file is deleted only when it is the one its record describes: a user's file
+        of that name is kept). Their names."""
         keep = {(f.number, f.filename) for f in plan.files}
         names = {f.filename for f in plan.files}
         gone = []

@@ -31,6 +31,7 @@ from k3lab.pipeline.state import OutputFolder
 from k3lab.pipeline.state.proof import header_sha256, identity
 from k3lab.pipeline.state.record import Record, SourceRef, TensorRecord
 from k3lab.pipeline.streams import load_streams
+from k3lab.pipeline.writing.sources_read import SourceHashes, hashed_again
 
 # bytes hinted at a task's start, read while the header is written and numba loads: what a source
 # reads ahead at most (a larger hint would be refused whole)
@@ -42,7 +43,7 @@ class Reader:
     ``Source.read_piece``; it goes back when the piece's last user drops it: the stream, or the
     writer once it has hashed and written it), reported to ``report`` (which stops the task once its run
     stopped). ``files``: the source file holding each tensor, as a record names it (default: the
-    entry's)."""
+    entry's); ``hashes``: where the pieces read are hashed (a conversion's proof of what it read)."""
 
     def __init__(
         self,
@@ -50,9 +51,11 @@ class Reader:
         entries: dict[str, TensorEntry],
         report: TaskReport = NO_REPORT,
         files: dict[str, str] | None = None,
+        hashes: SourceHashes | None = None,
     ):
         self.source, self.entries, self.report = source, entries, report
         self.files = files if files is not None else {n: e.file for n, e in entries.items()}
+        self.hashes = hashes
 
     def open_for(self, position: int, pt: PlannedTensor) -> None:
         """Before tensor ``position`` of a file is written: its sources are readable (here: they are)."""
@@ -86,6 +89,8 @@ class Reader:
     def __call__(self, name: str, row_start: int = 0, row_stop: int | None = None) -> np.ndarray:
         e, stop, offset, n = self._range(name, row_start, row_stop)
         buf = self.source.read_piece(e, offset, n)
+        if self.hashes is not None:
+            self.hashes.seen(self.files[name], name, e.nbytes, offset, buf)
         self.report.read(n)
         shape = (stop - row_start, *e.shape[1:]) if e.shape else ()
         return buf.view(NUMPY_DTYPE[e.dtype]).reshape(shape)
@@ -107,7 +112,7 @@ class PlannedInputs(Reader):
         acquired: Callable[[], None] | None = None,
         then: tuple[str, ...] = (),
     ):
-        super().__init__(source, {}, report, {})
+        super().__init__(source, {}, report, {}, SourceHashes())
         self.pf, self.acquired, self.then = pf, acquired, then
         self.last = pf.last_use()
         self.held: list[int] = []
@@ -140,6 +145,8 @@ class PlannedInputs(Reader):
         planned = self.pf.sources[i]
         self.source.acquire(planned.file, self.report)
         self.held.append(i)
+        assert self.hashes is not None
+        self.hashes.began(planned.file, self.source.content_identity(planned.file))
         entries, sha = self.source.file_header(planned.file)
         if sha != planned.header_sha256:
             # the plan read this header by other means (ranges, perhaps cached): this copy is the
@@ -275,7 +282,7 @@ def convert_file(
     folder = OutputFolder(out_dir)
     pf = plan.file(number)
     t0 = time.perf_counter()
-    if not force and folder.records.is_complete(number, pf.filename, pf.digest):
+    if not force and is_converted(folder, number, pf, source):
         report.read(pf.source_bytes)
         return FileResult(number, pf.filename, True, 0.0, pf.nbytes)
     kvs = file_kvs(plan, number, folder)
@@ -288,6 +295,8 @@ def convert_file(
         )
     finally:
         inputs.close()
+    assert inputs.hashes is not None
+    read = inputs.hashes.read(source.content_identity)
     if before_commit is not None:
         before_commit()  # the file is there, but no record says it is complete: a rerun redoes it
     folder.records.write(
@@ -307,6 +316,58 @@ def convert_file(
             sources=list(pf.sources),
             identity=identity(path) or {},
             sha256=whole or "",
+            read=read,
         )
     )
     return FileResult(number, pf.filename, False, time.perf_counter() - t0, pf.nbytes)
+
+
+def is_converted(folder: OutputFolder, number: int, pf: PlannedFile, source: Source | None) -> bool:
+    """The resume test of a conversion: output file ``number`` is the one its record describes, made
+    by this plan, from source files that are still as they were (``source``: None when they cannot
+    have changed)."""
+    return folder.records.is_complete(number, pf.filename, pf.digest) and (
+        source is None or sources_unchanged(folder, number, source)
+    )
+
+
+def sources_unchanged(folder: OutputFolder, number: int, source: Source) -> bool:
+    """Whether every source file finished output file ``number`` read is as it was then: its identity
+    as recorded, or else its bytes hashed again to the recorded digest (the record then takes the new
+    identity: a copied or touched checkpoint is read once). A local source file of which the record
+    proves nothing (a record of an earlier k3lab, a file that changed while it was read) is not
+    taken as unchanged. A source that keeps no identity (the Hub: its files are pinned and checked)
+    has nothing to prove here."""
+    rec = folder.records.text(number)
+    if rec is None:
+        return False
+    proven = False
+    for file in dict.fromkeys(s.file for s in rec.sources):
+        now = source.content_identity(file)
+        if now is None:
+            continue
+        seen = rec.read.get(file) or {"identity": None, "sha256": None}
+        if seen["identity"] == now:
+            continue
+        if seen["identity"] is None or seen["sha256"] is None:
+            return False
+        names = sorted({s.name for t in rec.tensors for s in t.sources if s.file == file})
+        source.acquire(file)
+        try:
+            entries, _ = source.file_header(file)
+            if any(n not in entries for n in names):
+                return False
+            digest = hashed_again(
+                names,
+                lambda n, at, k, entries=entries: source.read_piece(entries[n], at, k),
+                {n: entries[n].nbytes for n in names},
+            )
+        finally:
+            source.release(file)
+        if digest != seen["sha256"] or source.content_identity(file) != now:
+            return False
+        rec.read[file] = {"identity": now, "sha256": digest}
+        proven = True
+    if proven:
+        folder.records.write(rec)
+    return True
