@@ -100,11 +100,12 @@ def _type(name: str | None, flag: str) -> str | None:
 def _override(text: str) -> tuple[str, str]:
     """``--tensor-type PATTERN=TYPE`` as llama-quantize reads it: the pattern lowercased, the type by name."""
     from k3lab.pipeline.quantizing.llama_types import compiled_pattern
+    from k3lab.pipeline.quantizing.std_regex import lowercase
 
     pattern, sep, to = text.partition("=")
     if not sep or not pattern or not to:
         raise K3LabError(f"--tensor-type {text!r}: give PATTERN=TYPE (e.g. 'ffn_down_exps=q3_k')")
-    pattern = pattern.lower()
+    pattern = lowercase(pattern)
     compiled_pattern(pattern)
     return pattern, _type(to, f"--tensor-type {text!r}:") or ""
 

@@ -243,3 +243,20 @@ def quantize_like_llama(first: Path, out: Path, ftype: str, *flags: str, keep_sp
     if done.returncode:
         pytest.fail(f"llama-quantize {ftype} failed:\n{(done.stdout + done.stderr)[-3000:]}")
     return done.stdout + done.stderr
+
+
+def std_regex_judge() -> Path:
+    """``tests/std_regex_judge.cpp`` built (seconds, once): std::regex of this machine's C++ library,
+    the one llama-quantize's patterns are compiled with."""
+    import hashlib
+
+    source = Path(__file__).with_name("std_regex_judge.cpp")
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed: the std::regex judge cannot be built")
+    binary = CACHE / f"std-regex-judge-{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}"
+    if not binary.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        partial = binary.with_suffix(".partial")
+        _run(["g++", "-std=c++17", "-O1", str(source), "-o", str(partial)], timeout=600)
+        os.replace(partial, binary)
+    return binary

@@ -70,7 +70,9 @@ def _legacy_lying(tmp: Path) -> Path:
 
 CASES = {
     "unknown type": (["--type", "Q9_Z"], "not a type llama-quantize makes nor a recipe"),
-    "pattern not a regex": (["--type", "Q2_K", "--tensor-type", "ffn_[=q4_k"], "not a regular expression"),
+    "pattern not a regex": (["--type", "Q2_K", "--tensor-type", "ffn_[=q4_k"], "never closed with ']' (std::regex refuses it)"),
+    "pattern Python reads otherwise": (["--type", "Q2_K", "--tensor-type", "[[:alpha:]]_exps=q4_k"], "the POSIX class"),
+    "pattern that backtracks without end": (["--type", "Q2_K", "--tensor-type", "(.|.)*[a-z][0-9]$=q4_k"], "took over 2 s"),
     "pattern type unknown": (["--type", "Q2_K", "--tensor-type", "ffn=q9_z"], "not a type ggml quantises to"),
     "no pattern": (["--type", "Q2_K", "--tensor-type", "q4_k"], "give PATTERN=TYPE"),
     "imatrix of another model": (

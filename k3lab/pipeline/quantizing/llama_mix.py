@@ -5,7 +5,6 @@ tables and facts it reads are ``llama_types``'s)."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,6 +34,7 @@ from k3lab.pipeline.quantizing.llama_types import (
     fallback,
     may_quantize,
 )
+from k3lab.pipeline.quantizing.std_regex import StdRegex
 
 
 # --- the built-in mix (llama_tensor_get_type_impl), as data ---------------------------------------
@@ -290,7 +290,7 @@ def _choose(
     counters: Counters,
     has_imatrix: bool,
     tied: bool,
-    patterns: list[tuple[re.Pattern[str], str]],
+    patterns: list[tuple[StdRegex, str]],
     spec: QuantSpec,
 ) -> Choice:
     """llama_tensor_get_type for a tensor that may be quantised."""

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from k3lab.errors import K3LabError
 from k3lab.formats.ggml import QUANTIZE_TARGETS, TYPE_IDS
+from k3lab.pipeline.quantizing.std_regex import StdRegex
 
 
 class TypeChoiceError(K3LabError):
@@ -242,19 +243,10 @@ class QuantSpec:
         )
 
 
-def compiled_pattern(pattern: str) -> re.Pattern[str]:
-    """A ``--tensor-type`` pattern as llama-quantize reads it: a regex searched in the tensor name.
-    llama.cpp compiles it with std::regex (ECMAScript), k3lab with Python's ``re``: the two agree on
-    the patterns people write (literals, ``.``, ``*``, ``+``, ``?``, ``|``, groups, classes, anchors,
-    ``\\d``); a pattern using what only one of them knows (lookbehind, named groups, flags) is refused."""
-    if not pattern or len(pattern) > 512:
-        raise K3LabError(f"--tensor-type {pattern!r}: a pattern of 1 to 512 characters")
-    if "(?" in pattern or "\\A" in pattern or "\\Z" in pattern or "\\p" in pattern:
-        raise K3LabError(f"--tensor-type {pattern!r}: only the regex syntax llama.cpp and Python share")
-    try:
-        return re.compile(pattern)
-    except re.error as e:
-        raise K3LabError(f"--tensor-type {pattern!r}: not a regular expression ({e})") from None
+def compiled_pattern(pattern: str) -> StdRegex:
+    """A ``--tensor-type`` pattern as llama-quantize reads it: a ``std::regex`` searched in the tensor
+    name (``std_regex``: read as libstdc++ reads it, or refused in one line)."""
+    return StdRegex(pattern)
 
 
 # --- one tensor, and the whole model ---------------------------------------------------------------
