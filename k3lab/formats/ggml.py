@@ -189,11 +189,17 @@ class GGML:
             raise GGMLError(f"{tr.name}: cannot be widened to F32 (llama-quantize refuses it too)")
 
     def quantize(
-        self, type_id: int, rows: np.ndarray, out: np.ndarray, imatrix: np.ndarray | None = None
+        self,
+        type_id: int,
+        rows: np.ndarray,
+        out: np.ndarray,
+        imatrix: np.ndarray | None = None,
+        validate: bool = True,
     ) -> int:
         """``rows`` (float32 [nrows, n_per_row]) quantised to ``type_id`` into ``out`` (uint8, exactly
         nrows rows of the type), with ``imatrix`` (float32 [n_per_row]) for every row; checked with
-        ggml's own row validation, as llama-quantize checks. Returns the bytes written."""
+        ggml's own row validation, as llama-quantize checks (``validate``: the caller checks them
+        itself: ggml's check prints a line of its own when it fails). Returns the bytes written."""
         tr = self.traits(type_id)
         if type_id not in QUANTIZE_TARGETS:
             raise GGMLError(f"{tr.name}: ggml does not quantise to it")
@@ -217,7 +223,7 @@ class GGML:
         )
         if size != need:
             raise GGMLError(f"{tr.name}: ggml wrote {size} bytes for {nrows} rows, expected {need}")
-        if not self._lib.ggml_validate_row_data(type_id, op, size):
+        if validate and not self._lib.ggml_validate_row_data(type_id, op, size):
             raise GGMLError(
                 f"{tr.name}: ggml's check of the quantised rows failed (NaN or inf in the input?)"
             )

@@ -542,3 +542,33 @@ def _same_files(a: Path, b: Path) -> list[str]:
         for n in names
         if not ((a / n).is_file() and (b / n).is_file() and (a / n).read_bytes() == (b / n).read_bytes())
     )
+
+
+@needs_llama
+def test_a_failed_first_publish_of_a_variant_commits_nothing(
+    tiny_src: Path, tiny_out: Path, tmp_path: Path
+) -> None:
+    """Every file of a first published run fails (here the one asked for: its lossless file changed
+    under its record): no commit reaches the repo (no manifest of nothing); the run says why in one line."""
+    import os
+
+    from k3lab.pipeline.state import OutputFolder
+
+    out = tmp_path / "set"
+    shutil.copytree(tiny_out, out)
+    path = out / "Kimi-K3-MXFP4-00005-of-00009.gguf"
+    st = path.stat()
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    folder = OutputFolder(out)
+    rec = folder.records.text(5)
+    rec.identity = {**rec.identity, "ino": path.stat().st_ino}  # (as if this were the file written)
+    folder.records.write(rec)
+    with HubServer(tiny_src, token=TOKEN) as hub:
+        r = run_cli(_env(hub, tmp_path), "quantize", str(out), "--type", "Q8_0", "--files", "5", "--push-to",
+                    TARGET, "--quiet")  # fmt: skip
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert "not the ones its record hashed" in r.stderr
+        assert [c for c in hub.commit_log if c[0] == TARGET] == []

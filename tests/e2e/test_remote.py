@@ -435,3 +435,24 @@ def test_verify_on_the_hub_without_a_manifest_is_not_stopped_by_one_file(
     for name in ("junk.gguf", "empty.gguf", "zz-cut.gguf"):
         assert any(ln.startswith(f"{name}: ") for ln in out.splitlines()), out
     assert "verify FAILED: 3 problem(s): 12 files, 218 tensors" in out, out
+
+
+def test_verify_on_the_hub_of_a_split_set_beside_another_sets_manifest_names_both(
+    tiny_out: Path, tiny_one: Path, tmp_path: Path, tiny_src: Path
+) -> None:
+    """A repo holding the split set's nine files and a one-file set's manifest: the manifest's file is
+    named missing, the nine named as not of the set; exit 1 (never "holds no GGUF file")."""
+    folder = tmp_path / "set"
+    folder.mkdir()
+    for p in tiny_out.glob("Kimi-K3-*.gguf"):
+        shutil.copy(p, folder / p.name)
+    shutil.copy(tiny_one / "MANIFEST.json", folder / "MANIFEST.json")
+    (one,) = [p.name for p in tiny_one.glob("*.gguf")]
+    with HubServer(tiny_src) as hub:
+        hub.add_repo(SET, folder, large=None)
+        r = run_cli(hub.client_env(tmp_path), "verify", SET)
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert f"{one}: in MANIFEST.json, not in the repo" in r.stdout, r.stdout
+        said = next(ln for ln in r.stdout.splitlines() if ln.startswith("not of the set"))
+        assert "9 file(s): " in said and "Kimi-K3-MXFP4-00001-of-00009.gguf" in said, said
+        assert "holds no GGUF" not in r.stdout + r.stderr

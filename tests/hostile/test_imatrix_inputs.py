@@ -179,3 +179,15 @@ def test_an_imatrix_changed_in_place_while_a_run_goes_on_stops_it(
     err = capsys.readouterr().err
     assert "entry blk.4.attn_q.weight: its bytes are not the ones read when the run began" in err
     assert not list((set_dir / "Q4_K_M").glob("*-00005-of-00009.gguf"))
+
+
+def test_an_absolute_imatrix_path_is_said_before_it_goes_into_every_file(set_dir: Path, capsys) -> None:
+    """llama-quantize records the path it was given (``quantize.imatrix.file``); k3lab records the
+    same bytes, and says so before any work when that path is absolute (a home folder, published)."""
+    assert main(["quantize", str(set_dir), "--type", "Q4_K_M", "--imatrix", str(IMATRIX)]) == 0
+    err = capsys.readouterr().err
+    assert f"quantize.imatrix.file records the path given, {str(IMATRIX)!r}, in every file" in err
+    import gguf
+
+    first = sorted((set_dir / "Q4_K_M").glob("*.gguf"))[0]
+    assert gguf.GGUFReader(first).fields["quantize.imatrix.file"].contents() == str(IMATRIX)

@@ -273,3 +273,42 @@ def test_a_set_converted_again_into_other_files_leaves_no_old_variant_file(
     listed = [f["file"] for f in json.loads((out / "Q8_0" / "MANIFEST.json").read_text())["files"]]
     assert sorted(listed) == names
     assert main(["verify", str(out / "Q8_0"), "--src", str(out), "--quiet"]) == 0
+
+
+@pytest.mark.parametrize("value, said", [(0x7F80, "holds a value that is not finite"), (0x714A, "overflow Q8_0's scales")],
+                         ids=["an infinity", "1e30 (finite; its Q8_0 scale is not)"])  # fmt: skip
+def test_a_value_a_type_cannot_hold_is_one_line_naming_file_and_tensor(
+    tiny_src: Path, tmp_path: Path, value: int, said: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A BF16 weight of the set that is, or quantises to, an infinity: llama-quantize refuses it in
+    ggml's lines ("found 1 infinities", "found inf value at block 0"); k3lab in one line of its own,
+    naming the file and the tensor."""
+    import json
+
+    from conftest import convert
+    from llama_tree import llama_quantize
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_src, src)
+    shard = sorted(src.glob("model-*.safetensors"))[1]
+    with open(shard, "r+b") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+        start = header["language_model.model.layers.1.self_attn.q_proj.weight"]["data_offsets"][0]
+        fh.seek(8 + n + start + 10)
+        fh.write(struct.pack("<H", value))
+    out = tmp_path / "out"
+    assert convert(src, out) == 0
+    first = sorted(out.glob("*.gguf"))[0]
+    theirs = subprocess.run([str(llama_quantize()), "--keep-split", "--allow-requantize", str(first),
+                             str(tmp_path / "ref.gguf"), "Q8_0"], capture_output=True, text=True, errors="replace", timeout=300)  # fmt: skip
+    assert theirs.returncode != 0 and "blk.1.attn_q.weight" in theirs.stderr.splitlines()[-3], theirs.stderr[
+        -500:
+    ]
+    assert "failed to quantize: " in theirs.stderr
+    capfd.readouterr()
+    assert main(["quantize", str(out), "--type", "Q8_0", "--quiet"]) == 2
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "Kimi-K3-MXFP4-00002-of-00009.gguf: tensor blk.1.attn_q.weight:" in err[0], err
+    assert said in err[0]
+    assert not list((out / "Q8_0").glob("*-00002-of-00009.gguf*"))

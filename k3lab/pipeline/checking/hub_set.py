@@ -141,6 +141,13 @@ def verify_repo(
     if not recorded:  # (no manifest: every .gguf at the top is taken for the set's)
         report.strangers = [n for n in report.strangers if not (n.endswith(".gguf") and "/" not in n)]
     sets = split_sets(members)
+    if (
+        not sets and recorded
+    ):  # (the manifest's set is not here: its files missing, the repo's strangers named)
+        for rec in manifest.records if manifest else []:
+            if rec.file not in files.sizes:
+                report.add("missing", rec.file, f"{rec.file}: in {MANIFEST_NAME}, not in the repo")
+        return report
     if not sets:
         raise K3LabError(f"{files.repo}@{files.commit[:12]}: holds no GGUF file")
     plan = _plan(model, source, recorded) if source is not None else None

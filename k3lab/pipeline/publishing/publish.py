@@ -13,8 +13,8 @@
   uploaded operation (no bytes: huggingface_hub frees them) and the record, with the file's SHA-256.
 - ``Committer`` (on the client) commits the uploaded files as they arrive, one commit per batch (at
   most every ``every`` seconds), each with the repo's ``MANIFEST.json`` brought up to date, so a
-  killed run keeps what was committed; the last commit also adds the extra files (the model card,
-  ``TENSOR_MAP.md``).
+  killed run keeps what was committed (and one that uploaded nothing commits nothing); the last
+  commit also adds the extra files (the model card, ``TENSOR_MAP.md``).
 
 ``HF_TOKEN`` travels in memory only (``PushTarget.token``): never written, never shown.
 """
@@ -145,9 +145,7 @@ def _repo_manifest(target: PushTarget, commit: str, path: str, size: int) -> Any
     if size > MANIFEST_LIMIT:
         raise PublishError(f"{where}: {size} bytes, larger than any k3lab manifest")
     url = transport.file_url(target.repo, path, commit, target.endpoint)
-    raw = with_retries(
-        where, lambda: transport.fetch_range(url, 0, size, size, target.token, where), target.retry_budget
-    )
+    raw = with_retries(where, lambda: transport.fetch_range(url, 0, size, size, target.token, where), target.retry_budget)  # fmt: skip
     try:
         return read_manifest(raw, where)
     except ManifestError as e:
@@ -243,6 +241,8 @@ class Committer:
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
         from huggingface_hub.errors import HfHubHTTPError
 
+        if not (extra or self.pending or self.stale or self.records or any(self.variants.values())):
+            return None
         extra = {k: v for k, v in extra.items() if self.force or not self.state.theirs(k)}
         self.made.update({name: f"git-{git_blob_id(data)}" for name, data in extra.items()})
         regular = {MANIFEST_NAME: self.manifest(), **self._variant_manifests(), **extra}

@@ -19,6 +19,7 @@ from k3lab.pipeline.quantizing.quantize import (
 from k3lab.pipeline.quantizing.variant import VariantPlan
 from k3lab.pipeline.state import OutputFolder
 from k3lab.pipeline.state.record import Record
+from k3lab.pipeline.state.records import content_digest
 
 
 def rederive_variant(
@@ -40,7 +41,7 @@ def rederive_variant(
             folder.variant(plan.label).records.text(rec.number),
         )
         read = (own.read.get(vf.source) or {}).get("sha256") if own is not None else None
-        if made_from is not None and read is not None and read != made_from.content_digest():
+        if made_from is not None and read is not None and read != content_digest(made_from):
             add(  # type: ignore[operator]
                 "stale",
                 rec.file,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import hashlib
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +37,7 @@ from k3lab.pipeline.sources.spec import SourceFile
 from k3lab.pipeline.state import OutputFolder
 from k3lab.pipeline.state.proof import header_sha256, identity
 from k3lab.pipeline.state.record import Record, SourceRef, TensorRecord
+from k3lab.pipeline.state.records import content_digest
 from k3lab.pipeline.writing.convert import FileResult
 
 SLAB_VALUES = 4 << 20  # float32 values widened at once (16 MiB); two in flight
@@ -162,28 +164,36 @@ def quantized_pieces(
     h = hashlib.sha256()
 
     def submit(k: int) -> tuple[list[cf.Future], np.ndarray]:
-        """Slab ``k`` read, hashed, widened, and its rows handed to the threads."""
+        """Slab ``k`` read, hashed, widened, checked, and its rows handed to the threads."""
         e, r, m = slabs[k]
         piece = src.read(t.offset + (e * rows + r) * src_row, m * src_row, raw)
         h.update(piece)
         x = wide[k % len(wide)][:m]
         lib.to_float(src_id, piece, x)
         report.read(piece.nbytes)
+        big = large[k % len(large)] = _largest(x, src.path, vt, e, r, experts) > LARGE
         out = outs[k % len(outs)][: m * dst_row]
         im = imatrix[e * n : (e + 1) * n] if imatrix is not None else None
         spans = _spans(m, pool.n)
         return [
-            pool.pool.submit(lib.quantize, dst_id, x[a:b], out[a * dst_row : b * dst_row], im)
+            # (a slab that large is checked here first: ggml's own check would print its line)
+            pool.pool.submit(lib.quantize, dst_id, x[a:b], out[a * dst_row : b * dst_row], im, not big)
             for a, b in spans
         ], out
 
+    large = [False] * (ahead + 1)  # whether each queued slab holds values past LARGE
     queued = [submit(k) for k in range(ahead)]
     try:
         for k in range(len(slabs)):
             report.check()
             jobs, out = queued.pop(0)
             for j in jobs:
-                j.result()
+                try:
+                    j.result()
+                except K3LabError as err:  # (ggml's check of the rows: said with the file and tensor)
+                    raise K3LabError(f"{src.path}: tensor {vt.name}: {err}") from None
+            if large[k % len(large)]:
+                _check_scales(lib, dst_id, out, slabs[k][2], n, src.path, vt)
             if k + ahead < len(slabs):
                 queued.append(submit(k + ahead))  # (the threads are on slab k + 1 meanwhile)
             yield out
@@ -192,6 +202,38 @@ def quantized_pieces(
             for j in jobs:
                 j.cancel() or j.exception()
     _check_hash(h, t.sha256, src.path, vt.name)
+
+
+LARGE = 1e3  # a magnitude past which a type's scales may overflow (a model's weights are far below it)
+
+
+def _largest(x: np.ndarray, path: Path, vt: VariantTensor, expert: int, row: int, experts: int) -> float:
+    """The largest magnitude in a widened slab; a value that is not finite is one line naming the file,
+    the tensor and where (ggml's check refuses it, and llama-quantize with it, in a line of ggml's)."""
+    lo, hi = float(x.min()), float(x.max())
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        where = f"expert {expert}, " if experts > 1 else ""
+        bad = int(np.flatnonzero(~np.isfinite(x).all(axis=1))[0]) + row
+        raise K3LabError(
+            f"{path}: tensor {vt.name}: {where}row {bad} holds a value that is not finite: it cannot be "
+            f"quantised to {vt.type} (llama-quantize refuses it too)"
+        )
+    return max(-lo, hi)
+
+
+def _check_scales(
+    lib: GGML, dst_id: int, out: np.ndarray, m: int, n: int, path: Path, vt: VariantTensor
+) -> None:
+    """A slab of values that large, quantised: its rows widened back; a scale that overflowed (an
+    infinity ggml's check would refuse, in a line of its own) is one line naming the file and tensor;
+    then ggml's check, as for every slab."""
+    back = np.empty((m, n), dtype=np.float32)
+    lib.to_float(dst_id, out, back)
+    if not np.isfinite(back).all() or not lib.validate(dst_id, out):
+        raise K3LabError(
+            f"{path}: tensor {vt.name}: its values overflow {vt.type}'s scales: it cannot be quantised to "
+            f"{vt.type} (llama-quantize refuses it too)"
+        )
 
 
 def _spans(m: int, n_threads: int) -> list[tuple[int, int]]:
@@ -269,7 +311,7 @@ def quantize_file(
             sources=[src.source_file()],
             identity=identity(path) or {},
             sha256=g.file_sha256 or "",
-            read={vf.source: {"identity": None, "sha256": src.record.content_digest()}},
+            read={vf.source: {"identity": None, "sha256": content_digest(src.record)}},
         )
     )
     return FileResult(number, vf.filename, False, time.perf_counter() - t0, vf.nbytes)

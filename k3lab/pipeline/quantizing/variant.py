@@ -359,11 +359,9 @@ def _check_imatrix(facts: list[TensorFact], chosen: dict[str, Choice], imatrix: 
         if c.type == t.type:
             continue
         e = entries.get(t.name)
+        if e is None and c.needs_imatrix:
+            raise VariantError(f"{where}: no entry for tensor {t.name}, which {c.type} cannot be made without")  # fmt: skip
         if e is None:
-            if c.needs_imatrix:
-                raise VariantError(
-                    f"{where}: no entry for tensor {t.name}, which {c.type} cannot be made without"
-                )
             continue
         want = t.ne[0] * (t.ne[2] if len(t.ne) > 2 else 1)
         if e.n * e.m != want and t.name not in ("token_embd.weight", "per_layer_token_embd.weight"):
@@ -376,8 +374,9 @@ def _check_imatrix(facts: list[TensorFact], chosen: dict[str, Choice], imatrix: 
 def notes(plan: VariantPlan) -> list[str]:
     """What a variant does that a user may not expect, one line each (said before any work): tensors
     made larger than their lossless form and lossy (Kimi-K3's MXFP4 experts under a type of 4.5 bits
-    or more), and tensors quantised that are not experts although the type names them (MXFP4_MOE's
-    rule takes every 3-D stack: attn_k_b, attn_v_b)."""
+    or more), an absolute imatrix path written into every file (a home folder, published), and
+    tensors quantised that are not experts although the type names them (MXFP4_MOE's rule takes every
+    3-D stack: attn_k_b, attn_v_b)."""
     out = []
     tensors = [t for f in plan.files for t in f.tensors]
     larger = [t for t in tensors if t.quantized and t.nbytes > tensor_bytes(t.source_type, t.ne)]
@@ -388,6 +387,9 @@ def notes(plan: VariantPlan) -> list[str]:
             f"{plan.label} makes {len(larger)} tensors larger than in the lossless set ({', '.join(kinds[:4])}"
             f"{' ...' if len(kinds) > 4 else ''}: {grow:,} bytes more) and lossy"
         )
+    if plan.imatrix is not None and plan.imatrix.shown.startswith("/"):
+        out.append(f"{plan.label}: quantize.imatrix.file records the path given, {plan.imatrix.shown[:127]!r}, in every "
+                   "file (as llama-quantize records it): give a relative path to keep your folders out of it")  # fmt: skip
     if plan.spec.ftype == "MXFP4_MOE":
         stacks = sorted({t.name.split(".", 2)[-1] for t in tensors
                          if t.type == "MXFP4" and t.source_type != "MXFP4" and "_exps" not in t.name})  # fmt: skip

@@ -1,11 +1,11 @@
-"""Run a conversion: the one loop. Plan once (or load the saved plan), then convert the chosen
-output files in this process, in ``jobs`` worker processes (``processes``), or as one Dask task
-each on the cluster at ``scheduler`` (``cluster``); every file is a ``task.run_task``. Publish them
-when asked (``publish``), list what failed, and merge the manifest.
-"""
+"""Run a conversion: the one loop. Plan once (or load the saved plan), then convert the chosen output
+files in this process, in ``jobs`` worker processes (``processes``), or as one Dask task each on the
+cluster at ``scheduler`` (``cluster``); every file is a ``task.run_task``. Publish them when asked
+(``publish``), list what failed, and merge the manifest."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -76,7 +76,6 @@ def convert_shards(
         push = publication.target if publication else None
         private = bool(push and scheduler)
         labels = tuple(v.label for v in options.variants)
-        saved = [OutputFolder(out_dir).variant(v).variant_plan.load() for v in labels]
         task = Task(
             plan.model,
             str(out_dir),
@@ -88,7 +87,6 @@ def convert_shards(
             push,
             private,
             labels,
-            variant_digests=tuple(vp.digest if vp else "" for vp in saved),
         )
         return run_planned(plan, task, numbers, jobs, quiet, scheduler, publication, options, say)
 
@@ -109,9 +107,11 @@ def run_planned(
     say: Callable[[str], None] | None = None,
 ) -> list[FileResult]:
     folder = OutputFolder(task.out_dir)
+    saved = folder.variant_plans(task.variants)  # (each task checks the plan it finds is this one)
+    task = dataclasses.replace(task, variant_digests=tuple(saved[v].digest if v in saved else "" for v in task.variants))  # fmt: skip
     committer = open_committer(plan, publication, say or _say) if publication else None
     if committer is not None:
-        committer.made_as.update(folder.variant_commands(task.variants))
+        committer.made_as.update({v: vp.command() for v, vp in saved.items()})
     results, todo = _found_complete(plan, task, numbers, folder, committer)
     bar = _bar(plan, task, todo, quiet)
     progress = RunProgress(bar)

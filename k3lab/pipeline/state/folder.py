@@ -79,9 +79,14 @@ class OutputFolder:
             number, filename, digest, made_from
         )
 
+    def variant_plans(self, labels: tuple[str, ...]) -> dict[str, Any]:
+        """Each variant's saved plan (its command: what its manifest says it was made as; its digest:
+        what every task checks)."""
+        return {v: vp for v in labels if (vp := self.variant(v).variant_plan.load())}
+
     def variant_commands(self, labels: tuple[str, ...]) -> dict[str, str]:
         """Each planned variant's command (what its manifest says it was made as)."""
-        return {v: vp.command() for v in labels if (vp := self.variant(v).variant_plan.load())}
+        return {v: vp.command() for v, vp in self.variant_plans(labels).items()}
 
     def keep_record(self, record: Any, label: str | None = None) -> None:
         """A file's record, in the set's state (``label`` None) or in variant ``label``'s."""

@@ -194,23 +194,12 @@ class Record:
     sha256: str = ""
     # the file as written (size, mtime_ns, ino, dev: ``proof.identity``); kept in .k3lab/ only
     identity: dict[str, int] = field(default_factory=dict)
-    # what it read of each input file, proven by content (``writing.sources_read``): file ->
-    # {"identity": the file's when reading began, or None; "sha256": its digest, or None}; .k3lab/ only
+    # each input file read: {"identity" when reading began, "sha256": its digest} (writing.sources_read)
     read: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def is_text(self) -> bool:
         return self.kind == "text"
-
-    def content_digest(self) -> str:
-        """What the recorded file holds, in one SHA-256: its header's and every tensor's (a file made
-        from it records this, so a file made again with other bytes makes it stale)."""
-        import hashlib
-
-        h = hashlib.sha256(f"{self.file}\0{self.size}\0{self.header_sha256}\n".encode())
-        for t in self.tensors:
-            h.update(f"{t.name}\0{t.offset}\0{t.sha256}\n".encode())
-        return h.hexdigest()
 
     @property
     def state_name(self) -> str:
@@ -243,10 +232,8 @@ class Record:
             out["key"] = self.key
         if self.sha256:
             out["sha256"] = self.sha256
-        if state and self.identity:
-            out["identity"] = self.identity
-        if state and self.read:
-            out["read"] = self.read
+        if state:  # (this machine's: the file's identity, its inputs' identities; never in a manifest)
+            out |= ({"identity": self.identity} if self.identity else {}) | ({"read": self.read} if self.read else {})  # fmt: skip
         return out
 
     @classmethod
@@ -291,13 +278,12 @@ _READ_IDENTITY = {"size", "mtime_ns", "ctime_ns", "ino", "dev"}  # (``formats.fi
 
 
 def _read_entry(v: Any) -> bool:
+    """An entry of ``read``: an identity (or None) and a SHA-256 (or None)."""
     if not isinstance(v, dict) or set(v) != {"identity", "sha256"}:
         return False
     ident, sha = v["identity"], v["sha256"]
-    ident_ok = ident is None or (
-        isinstance(ident, dict) and set(ident) == _READ_IDENTITY and all(_int(x) for x in ident.values())
-    )
-    return ident_ok and (sha is None or _sha(sha))
+    fine = ident is None or (isinstance(ident, dict) and set(ident) == _READ_IDENTITY and all(map(_int, ident.values())))  # fmt: skip
+    return fine and (sha is None or _sha(sha))
 
 
 def _check_ranges(tensors: list[TensorRecord], data_start: int, size: int, where: str) -> None:

@@ -7,6 +7,7 @@ version's) counts as absent: its file is redone, and ``verify`` reports it."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,6 +27,14 @@ from k3lab.pipeline.state.record import (
     read_manifest,
     write_manifest,
 )
+
+
+def content_digest(rec: Record) -> str:
+    """What a recorded file holds, in one SHA-256: its header's and every tensor's (a file made from
+    it records this, so a file made again with other bytes makes it stale)."""
+    rows = [f"{rec.file}\0{rec.size}\0{rec.header_sha256}"]
+    rows += [f"{t.name}\0{t.offset}\0{t.sha256}" for t in rec.tensors]
+    return hashlib.sha256("\n".join(rows).encode()).hexdigest()
 
 
 class Folder(Protocol):
@@ -86,9 +95,8 @@ class Records:
         rec = self.text(number)
         if rec is None or rec.plan_digest != plan_digest or rec.file != filename:
             return False
-        if (
-            made_from is not None
-            and (rec.read.get(made_from.file) or {}).get("sha256") != made_from.content_digest()
+        if made_from is not None and (rec.read.get(made_from.file) or {}).get("sha256") != content_digest(
+            made_from
         ):
             return False
         path = self.folder.output(filename)

@@ -1,0 +1,344 @@
+"""ggml's own CPU computation, through ctypes: the libggml-base and libggml-cpu that llama-cpp-python
+installs, whose kernels llama.cpp runs a model with. A graph built here of ggml's operations
+computes what llama.cpp's graph of the same operations computes, bit for bit: the same kernels (a
+matrix product's activations converted to the weight's ``vec_dot_type``, BF16 for BF16, Q8_0 for
+MXFP4; ``expf``, ``tanhf`` and the rest as ggml approximates them), in the same order.
+
+- ``Weights``: tensors of any ggml type held in one context of their own, their bytes read straight
+  into its memory once (``fill``), for every graph that uses them;
+- ``Graph``: one computation: inputs copied in, ggml's operations (named as ggml names them: ``mul_mat``,
+  ``rms_norm``, ``flash_attn_ext``, ``gated_delta_net`` ...) built on ``Tensor`` handles, computed on n
+  threads by ``ggml_graph_compute_with_ctx``, any tensor of it read out afterwards (every tensor keeps
+  its own memory: no allocator reuses it, so an intermediate, a product's input, is still there).
+
+Nothing of a model here: shapes, types and names are the caller's. ctypes releases the GIL while
+ggml computes. ggml asserts abort the process: the callers build only graphs llama.cpp builds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from k3lab.formats.ggml import TYPE_IDS, GGMLError, library_path
+
+F32, F16, I32 = TYPE_IDS["F32"], TYPE_IDS["F16"], TYPE_IDS["I32"]
+PREC_F32 = 10  # enum ggml_prec
+_NUMPY = {F32: np.float32, F16: np.float16, I32: np.int32}
+
+
+class _InitParams(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+class TensorHead(ctypes.Structure):
+    """The first fields of ggml's ``struct ggml_tensor`` (type, buffer, ne[4], nb[4]): stable since
+    ggml began, and all that is read of a tensor here besides its data."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+    ]
+
+
+class _CPlan(ctypes.Structure):
+    _fields_ = [
+        ("work_size", ctypes.c_size_t),
+        ("work_data", ctypes.c_void_p),
+        ("n_threads", ctypes.c_int),
+        ("threadpool", ctypes.c_void_p),
+        ("abort_callback", ctypes.c_void_p),
+        ("abort_callback_data", ctypes.c_void_p),
+        ("use_ref", ctypes.c_bool),
+    ]
+
+
+_P, _I64, _SZ, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_size_t, ctypes.c_float, ctypes.c_int
+_BASE = {
+    "ggml_init": ([_InitParams], _P),
+    "ggml_free": ([_P], None),
+    "ggml_new_tensor": ([_P, _I, _I, ctypes.POINTER(_I64)], _P),
+    "ggml_get_data": ([_P], _P),
+    "ggml_nbytes": ([_P], _SZ),
+    "ggml_tensor_overhead": ([], _SZ),
+    "ggml_graph_overhead_custom": ([_SZ, ctypes.c_bool], _SZ),
+    "ggml_new_graph_custom": ([_P, _SZ, ctypes.c_bool], _P),
+    "ggml_build_forward_expand": ([_P, _P], None),
+    "ggml_row_size": ([_I, _I64], _SZ),
+    # operations (as llama.cpp's graphs use them)
+    "ggml_mul_mat": ([_P, _P, _P], _P),
+    "ggml_mul_mat_id": ([_P, _P, _P, _P], _P),
+    "ggml_get_rows": ([_P, _P, _P], _P),
+    "ggml_rms_norm": ([_P, _P, _F], _P),
+    "ggml_mul": ([_P, _P, _P], _P),
+    "ggml_add": ([_P, _P, _P], _P),
+    "ggml_div": ([_P, _P, _P], _P),
+    "ggml_scale": ([_P, _P, _F], _P),
+    "ggml_clamp": ([_P, _P, _F, _F], _P),
+    "ggml_sum_rows": ([_P, _P], _P),
+    "ggml_soft_max": ([_P, _P], _P),
+    "ggml_sigmoid": ([_P, _P], _P),
+    "ggml_tanh": ([_P, _P], _P),
+    "ggml_silu": ([_P, _P], _P),
+    "ggml_softplus": ([_P, _P], _P),
+    "ggml_concat": ([_P, _P, _P, _I], _P),
+    "ggml_cont": ([_P, _P], _P),
+    "ggml_cont_2d": ([_P, _P, _I64, _I64], _P),
+    "ggml_transpose": ([_P, _P], _P),
+    "ggml_permute": ([_P, _P, _I, _I, _I, _I], _P),
+    "ggml_reshape_2d": ([_P, _P, _I64, _I64], _P),
+    "ggml_reshape_3d": ([_P, _P, _I64, _I64, _I64], _P),
+    "ggml_reshape_4d": ([_P, _P, _I64, _I64, _I64, _I64], _P),
+    "ggml_view_2d": ([_P, _P, _I64, _I64, _SZ, _SZ], _P),
+    "ggml_view_3d": ([_P, _P, _I64, _I64, _I64, _SZ, _SZ, _SZ], _P),
+    "ggml_view_4d": ([_P, _P, _I64, _I64, _I64, _I64, _SZ, _SZ, _SZ, _SZ], _P),
+    "ggml_cast": ([_P, _P, _I], _P),
+    "ggml_argsort_top_k": ([_P, _P, _I], _P),
+    "ggml_ssm_conv": ([_P, _P, _P], _P),
+    "ggml_gated_delta_net": ([_P, _P, _P, _P, _P, _P, _P, _I64], _P),
+    "ggml_flash_attn_ext": ([_P, _P, _P, _P, _P, _F, _F, _F], _P),
+    "ggml_flash_attn_ext_set_n_kv_max": ([_P, ctypes.c_int32], None),
+    "ggml_prec_set_acc": ([_P, _I], ctypes.c_bool),
+    "ggml_dsv4_hc_pre": ([_P, _P, _P], _P),
+}
+
+
+class _Lib:
+    def __init__(self) -> None:
+        base_path = library_path()
+        self.base = ctypes.CDLL(str(base_path))
+        cpu_path = base_path.with_name(base_path.name.replace("ggml-base", "ggml-cpu"))
+        try:
+            self.cpu = ctypes.CDLL(str(cpu_path))
+        except OSError as e:
+            raise GGMLError(f"{cpu_path}: cannot load ggml's CPU backend ({e})") from None
+        for name, (args, res) in _BASE.items():
+            f = getattr(self.base, name)
+            f.argtypes, f.restype = args, res
+        f = self.cpu.ggml_graph_plan
+        f.argtypes, f.restype = [_P, _I, _P], _CPlan
+        f = self.cpu.ggml_graph_compute
+        f.argtypes, f.restype = [_P, ctypes.POINTER(_CPlan)], _I
+        self.cpu.ggml_cpu_init.argtypes, self.cpu.ggml_cpu_init.restype = [], None
+        self.cpu.ggml_cpu_init()
+
+
+@functools.cache
+def lib() -> _Lib:
+    return _Lib()
+
+
+def row_size(type_id: int, n: int) -> int:
+    return int(lib().base.ggml_row_size(type_id, n))
+
+
+class _Context:
+    """A ggml context of ``size`` bytes for its tensors' memory (and their overhead), freed on
+    ``close``; ``no_alloc``: tensors without memory (a graph measured, not computed)."""
+
+    def __init__(self, size: int, n_tensors: int, graph_nodes: int = 0, no_alloc: bool = False):
+        L = lib()
+        self.L = L
+        mem = size + (n_tensors + 16) * L.base.ggml_tensor_overhead() + (1 << 20)
+        if graph_nodes:
+            mem += L.base.ggml_graph_overhead_custom(graph_nodes, False)
+        self.ptr = L.base.ggml_init(_InitParams(mem, None, no_alloc))
+        if not self.ptr:
+            raise GGMLError(f"ggml could not make a context of {mem:,} bytes (out of memory?)")
+
+    def new(self, type_id: int, ne: tuple[int, ...]) -> int:
+        arr = (ctypes.c_int64 * len(ne))(*ne)
+        t = self.L.base.ggml_new_tensor(self.ptr, type_id, len(ne), arr)
+        if not t:
+            raise GGMLError(f"ggml could not make a tensor of shape {list(ne)} (its context is full)")
+        return t
+
+    def close(self) -> None:
+        if self.ptr:
+            self.L.base.ggml_free(self.ptr)
+            self.ptr = None
+
+
+def _memory(ptr: int) -> np.ndarray:
+    """A contiguous tensor's memory as a writable uint8 array."""
+    L = lib()
+    n = L.base.ggml_nbytes(ptr)
+    return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(L.base.ggml_get_data(ptr)))
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A handle on a ggml tensor (its address); ``ne``/``nb`` read from it."""
+
+    ptr: int
+
+    @property
+    def head(self) -> TensorHead:
+        return TensorHead.from_address(self.ptr)
+
+    @property
+    def ne(self) -> tuple[int, ...]:
+        return tuple(self.head.ne)
+
+    @property
+    def nb(self) -> tuple[int, ...]:
+        return tuple(self.head.nb)
+
+    @property
+    def type(self) -> int:
+        return int(self.head.type)
+
+    def read(self, dims: int | None = None) -> np.ndarray:
+        """Its values as numpy (``ne`` reversed; ``dims`` of them, by default as many as ggml counts:
+        trailing 1s of ``ne`` dropped), read through its strides (a view need not be contiguous);
+        F32, F16 and I32 only."""
+        dtype = _NUMPY.get(self.type)
+        if dtype is None:
+            raise GGMLError(f"a tensor of ggml type {self.type} is not read out")
+        ne, nb = self.ne, self.nb
+        item = np.dtype(dtype).itemsize
+        span = sum((n - 1) * b for n, b in zip(ne, nb)) + item
+        L = lib()
+        base = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(L.base.ggml_get_data(self.ptr)))
+        view = np.lib.stride_tricks.as_strided(
+            base.view(dtype), shape=tuple(reversed(ne)), strides=tuple(reversed(nb)), writeable=False
+        )
+        if dims is None:
+            dims = max([1] + [i + 1 for i, n in enumerate(ne) if n != 1])
+        return np.array(view, dtype=dtype).reshape(tuple(reversed(ne[:dims])))
+
+
+@dataclass(frozen=True)
+class WeightInfo:
+    """A weight as ggml holds it: its name (the caller's), ggml type and ``ne`` (ne[0]: one row's values)."""
+
+    name: str
+    type_id: int
+    ne: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return row_size(self.type_id, self.ne[0]) * math.prod(self.ne[1:])
+
+
+class Weights:
+    """Weights in one ggml context, each filled once by ``fill(info, into)`` (``into``: the tensor's
+    memory as a uint8 array of its bytes; read the file straight into it); ``tensor(name)`` for a
+    graph. ``close`` frees the memory."""
+
+    def __init__(self, infos: Iterable[WeightInfo], fill: Callable[[WeightInfo, np.ndarray], None]):
+        self.infos = {w.name: w for w in infos}
+        total = sum(w.nbytes + 64 for w in self.infos.values())
+        self._ctx = _Context(total, len(self.infos))
+        self._tensors: dict[str, Tensor] = {}
+        try:
+            for w in self.infos.values():
+                t = self._ctx.new(w.type_id, w.ne)
+                fill(w, _memory(t))
+                self._tensors[w.name] = Tensor(t)
+        except BaseException:
+            self.close()
+            raise
+
+    def tensor(self, name: str) -> Tensor:
+        return self._tensors[name]
+
+    def close(self) -> None:
+        self._ctx.close()
+
+    def __enter__(self) -> Weights:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Graph:
+    """One computation: a context of ``size`` bytes for its inputs and intermediates, its operations
+    built with the methods below (each returns the new ``Tensor``), ``compute`` on ``threads`` (the
+    work buffer ggml's plan asks for is the graph's own). ``measure=True``: nothing allocated, only
+    ``needed`` counted (build the same graph twice: measured, then for real). Use as a context
+    manager: its memory goes on exit."""
+
+    MAX_NODES = 8192
+    ALIGN = 16  # GGML_MEM_ALIGN: each tensor's memory is padded to it
+
+    def __init__(self, size: int = 0, threads: int = 1, measure: bool = False):
+        self.measure = measure
+        self._ctx = _Context(0 if measure else size, self.MAX_NODES, self.MAX_NODES, no_alloc=measure)
+        self.threads = max(1, threads)
+        self._L = lib().base
+        self._graph = self._L.ggml_new_graph_custom(self._ctx.ptr, self.MAX_NODES, False)
+        self.needed = 0  # bytes of the tensors made so far (views counted too: an upper bound)
+
+    def __enter__(self) -> Graph:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.close()
+
+    # --- inputs ---
+    def input(self, array: np.ndarray, type_id: int = F32) -> Tensor:
+        """A new tensor holding ``array`` (numpy order: ``ne`` is its shape reversed)."""
+        dtype = _NUMPY[type_id]
+        a = np.ascontiguousarray(array, dtype=dtype)
+        t = self._ctx.new(type_id, tuple(reversed(a.shape)) or (1,))
+        self._count(t)
+        if not self.measure:
+            _memory(t)[:] = a.reshape(-1).view(np.uint8)
+        return Tensor(t)
+
+    def zeros(self, ne: tuple[int, ...], type_id: int = F32) -> Tensor:
+        t = self._ctx.new(type_id, ne)
+        self._count(t)
+        if not self.measure:
+            _memory(t)[:] = 0
+        return Tensor(t)
+
+    def _count(self, ptr: int) -> None:
+        n = self._L.ggml_nbytes(ptr)
+        self.needed += n + -n % self.ALIGN
+
+    # --- operations ---
+    def _op(self, name: str, *args: object) -> Tensor:
+        call = getattr(self._L, name)
+        ptr = call(self._ctx.ptr, *(a.ptr if isinstance(a, Tensor) else a for a in args))
+        if not ptr:
+            raise GGMLError(f"{name}: ggml made no tensor")
+        self._count(ptr)
+        return Tensor(ptr)
+
+    def __getattr__(self, name: str) -> Callable[..., Tensor]:
+        if f"ggml_{name}" not in _BASE or name in ("init", "free", "new_tensor", "get_data", "nbytes"):
+            raise AttributeError(name)
+        return lambda *args: self._op(f"ggml_{name}", *args)
+
+    def set_n_kv_max(self, t: Tensor, n: int) -> None:
+        self._L.ggml_flash_attn_ext_set_n_kv_max(t.ptr, n)
+
+    def set_prec_f32(self, t: Tensor) -> None:
+        self._L.ggml_prec_set_acc(t.ptr, PREC_F32)
+
+    # --- running ---
+    def expand(self, *tensors: Tensor) -> None:
+        """Add these (and what they depend on) to the graph, in the order given."""
+        for t in tensors:
+            self._L.ggml_build_forward_expand(self._graph, t.ptr)
+
+    def compute(self) -> None:
+        """Run the graph: ggml's plan, a work buffer of the size it asks, its threads."""
+        if self.measure:
+            raise GGMLError("a measured graph is not computed")
+        cpu = lib().cpu
+        plan = cpu.ggml_graph_plan(self._graph, self.threads, None)
+        work = np.empty(max(1, plan.work_size), dtype=np.uint8)
+        plan.work_data = work.ctypes.data
+        if cpu.ggml_graph_compute(self._graph, ctypes.byref(plan)) != 0:
+            raise GGMLError("ggml's computation failed")
