@@ -16,10 +16,29 @@ from k3lab.cli_commands import (
     _check_vision,
     _convert,
     _front,
+    _imatrix,
     _plan,
     _publish,
     _quantize,
     _verify,
+)
+from k3lab.cli_flags import (  # noqa: F401 (EXAMPLES: the reference page's)
+    CHUNK,
+    CHUNKS,
+    EXAMPLES,
+    EXPERTS,
+    FILES_HELP,
+    JOBS,
+    POSITIVE,
+    PUSH_FLAGS,
+    REPO,
+    RUN_FLAGS,
+    SAMPLE,
+    SECONDS,
+    SEED,
+    SOURCE_FLAGS,
+    VARIANT_FLAGS,
+    _flags,
 )
 from k3lab.errors import K3LabError, printable
 from k3lab.request import Request
@@ -30,102 +49,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"k3lab: error: {message}\n")
-
-
-SAMPLE = values.argument(values.count, 1, 1000)
-JOBS, SEED, EXPERTS = (
-    values.argument(values.count, *n) for n in ((1, values.MAX_JOBS), (0, 2**32 - 1), (1, 4096))
-)
-SECONDS, REPO, POSITIVE = (values.argument(c) for c in (values.seconds, values.repo_id, values.positive))
-
-
-# --- the parser -----------------------------------------------------------------------------------
-
-SOURCE_FLAGS = {
-    "--meta": dict(help="folder with config.json, the index and the tokenizer files"),
-    "--src": dict(help="folder with the safetensors shards (default: --meta)"),
-    "--repo": dict(type=REPO, help="stream from this Hub repo (e.g. moonshotai/Kimi-K3) instead of --src"),
-    "--revision": dict(help="branch, tag or commit of --repo (default: main)"),
-    "--scratch": dict(
-        help="where --repo downloads shards (default: OUT_DIR/.k3lab/scratch; without an output folder, "
-        "a temporary folder removed at the end)"
-    ),
-    "--keep-source": dict(action="store_true", help="keep downloaded shards in --scratch"),
-    "--retry-budget": dict(
-        type=SECONDS, metavar="S", help="how long the Hub may fail in a row (default 900)"
-    ),
-}
-RUN_FLAGS = {
-    "--outtype": dict(
-        choices=["auto", "bf16", "f16", "f32"],
-        default="auto",
-        help="auto: the checkpoint's own types (MXFP4 stays, BF16/F32 kept); or every float as this type",
-    ),
-    "--chat-template": dict(metavar="FILE", help="a Jinja chat template to embed in file 1"),
-    "--name": dict(help="output basename (default: the model's, Kimi-K3)"),
-    "--split-max-size": dict(
-        metavar="N[K|M|G]",
-        help="at most this much tensor data per output file, whole layers only (default: the whole set "
-        "in one file when it fits in 50G, else one layer per file)",
-    ),
-    "--split-max-tensors": dict(
-        type=values.argument(values.count, 1, 10**9),
-        metavar="N",
-        help="at most N tensors per output file, whole layers only (1: one layer per file)",
-    ),
-}
-FILES_HELP = "output files to write: N, A-B or a comma mix (default: all); --shards is its old name"
-VARIANT_FLAGS = {  # llama-quantize's own flags, with its meaning
-    "--variants": dict(
-        metavar="TYPE[,TYPE...]",
-        help="also make these quantised variants of each file, right after it is converted, on the same "
-        "worker (llama-quantize's types or k3lab's recipes; into OUT_DIR/LABEL/)",
-    ),
-    "--label": dict(help="the variant's name (its folder and files' type label; default: the type or recipe)"),
-    "--imatrix": dict(
-        metavar="FILE|ORG/NAME:PATH", help="llama-imatrix's importance matrix (GGUF or legacy .dat), local or on the Hub"
-    ),
-    "--tensor-type": dict(
-        action="append", metavar="PATTERN=TYPE", help="llama-quantize's: tensors whose name the regex matches get TYPE "
-        "(the first pattern that matches wins; repeatable)"
-    ),
-    "--output-tensor-type": dict(metavar="TYPE", help="llama-quantize's: the type of output.weight"),
-    "--token-embedding-type": dict(metavar="TYPE", help="llama-quantize's: the type of token_embd.weight"),
-    "--pure": dict(action="store_true", help="llama-quantize's: no mix, every tensor the type's default"),
-    "--leave-output-tensor": dict(action="store_true", help="llama-quantize's: output.weight as it is"),
-    "--threads": dict(type=values.argument(values.count, 1, 1024), metavar="N",
-                      help="threads quantising (default: the cores)"),
-}  # fmt: skip
-PUSH_FLAGS = {
-    "--push-branch": dict(help="the branch to publish to (default: main; made if missing)"),
-    "--private": dict(action="store_true", help="make the repo private when creating it"),
-    "--commit-every": dict(type=SECONDS, metavar="S", help="commit uploads at most this often (default 300)"),
-}
-
-
-EXAMPLES = {  # one a user can run from a fresh clone after `k3lab demo` (tests run each verbatim)
-    "synth": "k3lab synth --preset tiny --out k3-tiny",
-    "tokenizer": "k3lab tokenizer --meta k3-demo/src --out k3-demo/Kimi-K3-tokenizer.gguf",
-    "plan": "k3lab plan --meta k3-demo/src",
-    "convert": "k3lab convert --meta k3-demo/src --out-dir k3-demo/out",
-    "publish": "k3lab publish k3-demo/out your-name/Kimi-K3-GGUF",
-    "quantize": "k3lab quantize k3-demo/out --type Q2_K",
-    "batch": "k3lab batch --meta k3-demo/src --out-dir k3-demo/out",
-    "vision": "k3lab vision --meta k3-demo/src --out k3-demo/out/mmproj-Kimi-K3-BF16.gguf",
-    "check-logits": "k3lab check-logits --meta k3-demo/src --gguf k3-demo/out/Kimi-K3-8x1.9M-MXFP4.gguf",
-    "check-vision": "k3lab check-vision --meta k3-demo/src --mmproj k3-demo/out/mmproj-Kimi-K3-BF16.gguf",
-    "setup-judge": "k3lab setup-judge",
-    "verify": "k3lab verify k3-demo/out --src k3-demo/src",
-    "lab": "k3lab lab",
-    "tensor-map": "k3lab tensor-map > TENSOR_MAP.md",
-    "demo": "k3lab demo",
-}
-
-
-def _flags(p: argparse.ArgumentParser, *tables: dict[str, dict], **required: bool) -> None:
-    for table in tables:
-        for flag, kw in table.items():
-            p.add_argument(flag, required=required.get(flag.lstrip("-").replace("-", "_"), False), **kw)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -241,6 +164,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     q.add_argument("--keep-local", action="store_true", help="keep each variant file after uploading it")
     _flags(q, {"--retry-budget": SOURCE_FLAGS["--retry-budget"]}, PUSH_FLAGS)
+
+    im = command("imatrix", _imatrix, "the importance matrix of a converted set, computed a layer at a time")
+    im.add_argument("out_dir", metavar="SET", help="the folder of a converted set")
+    im.add_argument("--calibration", metavar="TEXT", help="a text file, or ORG/NAME:PATH[@REVISION] on the Hub "
+                    "(default: k3lab's own calibration text: chat, code, many languages, Kimi-K3's chat format)")  # fmt: skip
+    im.add_argument(
+        "--chunk-size", "-c", type=CHUNK, default=512, help="tokens per chunk (llama-imatrix's -c; 512)"
+    )
+    im.add_argument(
+        "--chunks", type=CHUNKS, help="at most this many chunks (llama-imatrix's --chunks; default: all)"
+    )
+    im.add_argument("--out", help="the imatrix file (default: SET/imatrix.gguf)")
+    im.add_argument(
+        "--output-format", choices=["gguf", "dat"], default="gguf", help="llama-imatrix's formats"
+    )
+    im.add_argument("--process-output", action="store_true", help="also output.weight (llama-imatrix's)")
+    im.add_argument(
+        "--in-file", action="append", metavar="FILE", help="an imatrix to add to this one (repeatable)"
+    )
+    im.add_argument("--parse-special", action="store_true", help="special tokens in the text are tokens")
+    im.add_argument("--threads", type=JOBS, help="ggml's threads (default: every core)")
+    im.add_argument("--quiet", action="store_true", help="errors and one summary line only")
 
     pu = command("publish", _publish, "push a converted set (and its mmproj, tokenizer) to a Hub repo")
     pu.add_argument("out_dir", help="the output folder of a conversion")

@@ -58,6 +58,21 @@ def _quantize(req: Request, args: argparse.Namespace) -> int:
     return 0
 
 
+def _imatrix(req: Request, args: argparse.Namespace) -> int:
+    from k3lab import imatrix
+
+    result = imatrix.compute(req, imatrix.options(args), None if req.quiet else _say)
+    reached = sum(int((e.counts > 0).sum()) for e in result.entries.values() if e.counts.size > 1)
+    experts = sum(e.counts.size for e in result.entries.values() if e.counts.size > 1)
+    print(
+        f"imatrix: {len(result.entries)} entries from {result.chunks} chunks of {result.chunk_size} tokens "
+        f"({result.steps_done} steps computed, {result.steps_skipped} already done; {result.seconds:.1f} s)"
+        + (f"; {reached} of {experts} expert rows reached" if experts else "")
+        + f" in {result.path}"
+    )
+    return 0
+
+
 def _say_variants(results: list, out_dir: str, always: bool = False) -> None:
     """One line per variant: files written, its size, and where (with the command that checks it)."""
     from k3lab.util import human_bytes

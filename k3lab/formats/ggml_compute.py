@@ -238,17 +238,26 @@ class Weights:
         total = sum(w.nbytes + 64 for w in self.infos.values())
         self._ctx = _Context(total, len(self.infos))
         self._tensors: dict[str, Tensor] = {}
+        self._names: dict[int, str] = {}
         try:
             for w in self.infos.values():
                 t = self._ctx.new(w.type_id, w.ne)
                 fill(w, _memory(t))
                 self._tensors[w.name] = Tensor(t)
+                self._names[t] = w.name
         except BaseException:
             self.close()
             raise
 
     def tensor(self, name: str) -> Tensor:
         return self._tensors[name]
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def name_of(self, t: Tensor) -> str | None:
+        """The name of one of these weights (None: a tensor of another context)."""
+        return self._names.get(t.ptr)
 
     def close(self) -> None:
         self._ctx.close()
@@ -277,6 +286,9 @@ class Graph:
         self._L = lib().base
         self._graph = self._L.ggml_new_graph_custom(self._ctx.ptr, self.MAX_NODES, False)
         self.needed = 0  # bytes of the tensors made so far (views counted too: an upper bound)
+        # every matrix product made, as (weight, input, expert ids or None): what llama-imatrix's
+        # callback is asked about; their inputs can be read once the graph has run
+        self.products: list[tuple[Tensor, Tensor, Tensor | None]] = []
 
     def __enter__(self) -> Graph:
         return self
@@ -319,6 +331,14 @@ class Graph:
         if f"ggml_{name}" not in _BASE or name in ("init", "free", "new_tensor", "get_data", "nbytes"):
             raise AttributeError(name)
         return lambda *args: self._op(f"ggml_{name}", *args)
+
+    def mul_mat(self, a: Tensor, b: Tensor) -> Tensor:
+        self.products.append((a, b, None))
+        return self._op("ggml_mul_mat", a, b)
+
+    def mul_mat_id(self, a: Tensor, b: Tensor, ids: Tensor) -> Tensor:
+        self.products.append((a, b, ids))
+        return self._op("ggml_mul_mat_id", a, b, ids)
 
     def set_n_kv_max(self, t: Tensor, n: int) -> None:
         self._L.ggml_flash_attn_ext_set_n_kv_max(t.ptr, n)

@@ -27,6 +27,7 @@ import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -236,3 +237,88 @@ def vector(entry: Entry, read: Read, where: str) -> np.ndarray:
     if not np.all(np.isfinite(out)):
         raise IMatrixError(f"{where}: entry {printable(entry.name)} holds a value that is not finite")
     return out
+
+
+# --- writing (as llama-imatrix's save_imatrix and save_imatrix_legacy write) -------------------------
+
+
+@dataclass(frozen=True)
+class Sums:
+    """One weight's accumulated entry to write: ``values`` float32 [m, n] (m experts, or 1), ``counts``
+    [m] (how many rows each sum saw)."""
+
+    values: np.ndarray
+    counts: np.ndarray
+
+
+def _padded_shape(n: int, m: int) -> tuple[int, ...]:
+    """numpy order of ggml's [n, m] as gguf writes it: trailing 1s of ``ne`` not counted (ggml_n_dims)."""
+    return (m, n) if m > 1 else (n,)
+
+
+def gguf_kvs(
+    datasets: list[str], chunk_count: int, chunk_size: int, extra: list[Any] | None = None
+) -> list[Any]:
+    """The keys llama-imatrix writes, in its order (then any ``extra``)."""
+    from gguf import GGUFValueType
+
+    from k3lab.formats.gguf_stream import KV
+
+    return [
+        KV("general.type", "imatrix", GGUFValueType.STRING),
+        KV("imatrix.datasets", list(datasets), GGUFValueType.ARRAY, GGUFValueType.STRING),
+        KV("imatrix.chunk_count", int(chunk_count), GGUFValueType.UINT32),
+        KV("imatrix.chunk_size", int(chunk_size), GGUFValueType.UINT32),
+        *(extra or []),
+    ]
+
+
+def write_gguf(path: Any, entries: dict[str, Sums], kvs: list[Any], before_commit: Any = None) -> Any:
+    """The GGUF imatrix llama-imatrix writes: per weight, names sorted, ``NAME.in_sum2`` then
+    ``NAME.counts`` (F32), after ``kvs`` (``gguf_kvs``); atomically (``GGUFStream``). The stream."""
+    from k3lab.formats.gguf_stream import GGUFStream
+
+    @dataclass(frozen=True)
+    class _Info:
+        name: str
+        type: int
+        shape: tuple[int, ...]
+        nbytes: int
+
+    infos, data = [], []
+    for name in sorted(entries):
+        e = entries[name]
+        m, n = e.values.shape
+        infos += [
+            _Info(name + SUMS, 0, _padded_shape(n, m), 4 * m * n),
+            _Info(name + COUNTS, 0, _padded_shape(1, m), 4 * m),
+        ]
+        data += [np.ascontiguousarray(e.values, dtype="<f4"), np.ascontiguousarray(e.counts, dtype="<f4")]
+    with GGUFStream(path, None, kvs, infos, before_commit) as g:
+        for info, arr in zip(infos, data):
+            g.write(info.name, [arr.reshape(-1).view(np.uint8)])
+    return g
+
+
+def legacy_bytes(entries: dict[str, Sums], chunk_count: int, chunk_size: int, dataset: str) -> bytes:
+    """The legacy ``.dat`` llama-imatrix writes (``--output-format dat``): entries whose every count is 0
+    left out; per entry its sums divided by their count and times ``ncall`` (the most rows any
+    expert saw, in chunks, rounded up), 1.0 where a count is 0; the chunk count; the dataset."""
+    out = []
+    kept = [n for n in sorted(entries) if np.any(entries[n].counts > 0)]
+    out.append(struct.pack("<i", len(kept)))
+    for name in kept:
+        e = entries[name]
+        raw = name.encode("utf-8", "surrogateescape")
+        counts = e.counts.astype(np.int64)
+        ncall = int((counts.max() + chunk_size - 1) // chunk_size)
+        values = e.values.astype(np.float32).copy()
+        per = counts.astype(np.float32)[:, None] * np.ones_like(values)
+        zero = per == 0
+        values[zero], per[zero] = 1.0, 1.0
+        tmp = (values / per) * np.float32(ncall)
+        out.append(struct.pack("<i", len(raw)) + raw + struct.pack("<ii", ncall, values.size))
+        out.append(tmp.astype("<f4").tobytes())
+    name = dataset.encode("utf-8", "surrogateescape")
+    out.append(struct.pack("<ii", chunk_count, len(name)) + name)
+    return b"".join(out)

@@ -9,8 +9,8 @@ only approximates llama.cpp's drifts layer by layer and, past a near tie, routes
 
 A step reads the state the step before it left, per chunk (each a [tokens, width] array: the residual
 stream ``x``, and the AttnRes bank ``bank.IL`` for each layer IL that banked its input) and leaves its
-own; every matrix product goes through ``Products.mul_mat``/``mul_mat_id``, which record the product
-(the imatrix stage reads each one's input once the graph ran, as llama-imatrix's callback does).
+own; the graph records every matrix product it makes (``Graph.products``: the imatrix stage reads
+each one's input once the graph ran, as llama-imatrix's callback does).
 
 Each chunk is one sequence from an empty state (llama-imatrix clears its memory per chunk): the
 convolution state and the delta-rule state start at zero, the MLA cache holds the chunk's own keys in
@@ -21,12 +21,13 @@ the CPU) under a causal mask.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from k3lab.formats.ggml_compute import F16, Graph, Tensor
+from k3lab.pipeline.model import CalibrationStep as Step
 
 ARCH = "kimi-k3"
 EMBED, HEAD = "embed", "head"
@@ -36,23 +37,6 @@ F16_MIN = 6.103515625e-5  # the clamp of the expert weights' sum (the smallest n
 def f32(x: float) -> float:
     """A constant as llama.cpp's float arithmetic has it (ctypes passes it on exactly)."""
     return float(np.float32(x))
-
-
-@dataclass(frozen=True)
-class Step:
-    """One step: its name (``embed``, ``layer IL``, ``head``), the layer (-1 for the others), the
-    state it reads and the arrays it writes."""
-
-    name: str
-    layer: int
-    reads: tuple[str, ...]
-    writes: tuple[str, ...]
-
-    def owns(self, tensor: str) -> bool:
-        """Whether a tensor of the set is one this step reads."""
-        if self.layer >= 0:
-            return tensor.startswith(f"blk.{self.layer}.")
-        return tensor in (EMBED_TENSORS if self.name == EMBED else HEAD_TENSORS)
 
 
 EMBED_TENSORS = ("token_embd.weight",)
@@ -127,16 +111,48 @@ class Hparams:
 
 
 def steps(hp: Hparams) -> list[Step]:
-    """The steps in order, with what each reads and writes."""
-    out = [Step(EMBED, -1, (), ("x",))]
+    """The steps in order, with what each reads and writes: the embedding (the tokens' rows of
+    ``token_embd``), each layer, the head."""
+    out = [Step(EMBED, (), ("x",), names=EMBED_TENSORS, rows=EMBED_TENSORS[0])]
     bank: list[str] = []
     for il in range(hp.n_layer):
         writes = ("x", f"bank.{il}") if hp.banked(il) else ("x",)
-        out.append(Step(f"layer {il}", il, ("x", *bank), writes))
+        out.append(Step(f"layer {il}", ("x", *bank), writes, prefix=f"blk.{il}.", layer=il))
         if hp.banked(il):
             bank.append(f"bank.{il}")
-    out.append(Step(HEAD, -1, ("x", *bank), ()))
+    out.append(Step(HEAD, ("x", *bank), (), names=HEAD_TENSORS))
     return out
+
+
+class Calibration:
+    """Kimi-K3 for the imatrix stage (``pipeline.model.Calibration``)."""
+
+    def steps(self, kvs: dict[str, Any]) -> list[Step]:
+        return steps(Hparams.from_kvs(kvs))
+
+    def build(
+        self,
+        kvs: dict[str, Any],
+        step: Step,
+        g: Graph,
+        w: Weights,
+        state: dict[str, Tensor],
+        slices: list[tuple[int, int]],
+    ) -> dict[str, Tensor]:
+        """The step's graph on ``g`` for one chunk (``slices``: its tokens as llama.cpp's ubatches
+        hold them): its outputs by name (a banked layer's input is its ``bank.IL``)."""
+        hp = Hparams.from_kvs(kvs)
+        graph = LayerGraph(hp, g, w, slices)
+        bank = [state[name] for name in step.reads if name.startswith("bank.")]
+        if step.layer < 0:
+            return {"logits": graph.build_head(state["x"], bank)}
+        out = {"x": graph.build_layer(step.layer, state["x"], bank)}
+        if hp.banked(step.layer):
+            out[f"bank.{step.layer}"] = state["x"]
+        return out
+
+
+CALIBRATION = Calibration()
 
 
 class Weights(Protocol):
@@ -145,42 +161,24 @@ class Weights(Protocol):
     def has(self, name: str) -> bool: ...
 
 
-@dataclass
-class Product:
-    """A matrix product the graph made: the weight's name, its input, the experts chosen (``ids``)."""
+class LayerGraph:
+    """One step's graph, built on ``g`` from the weights ``w`` holds (by GGUF name) for a set of
+    these hyperparameters: ``build_layer``, ``build_head``."""
 
-    weight: str
-    src1: Tensor
-    ids: Tensor | None = None
+    def __init__(self, hp: Hparams, g: Graph, w: Weights, slices: list[tuple[int, int]] | None = None):
+        self.hp, self.g, self.w = hp, g, w
+        self.slices = slices or []  # the chunk's tokens as llama.cpp's ubatches hold them
 
-
-@dataclass
-class Products:
-    """The graph's products as they are built (what llama-imatrix's callback is asked about)."""
-
-    g: Graph
-    w: Weights
-    made: list[Product] = field(default_factory=list)
-
-    def mul_mat(self, name: str, x: Tensor) -> Tensor:
-        self.made.append(Product(name, x))
+    def mm(self, name: str, x: Tensor) -> Tensor:
         return self.g.mul_mat(self.w.tensor(name), x)
 
-    def mul_mat_id(self, name: str, x: Tensor, ids: Tensor) -> Tensor:
-        self.made.append(Product(name, x, ids))
+    def mm_id(self, name: str, x: Tensor, ids: Tensor) -> Tensor:
         return self.g.mul_mat_id(self.w.tensor(name), x, ids)
 
-
-class LayerGraph:
-    """The steps' graphs (``build_layer``, ``build_head``) for one set's hyperparameters."""
-
-    def __init__(self, hp: Hparams):
-        self.hp = hp
-
     # --- helpers (llama-graph.cpp) ---
-    def norm(self, p: Products, x: Tensor, weight: str) -> Tensor:
+    def norm(self, x: Tensor, weight: str) -> Tensor:
         """build_norm(LLM_NORM_RMS): rms_norm, then the weight."""
-        return p.g.mul(p.g.rms_norm(x, self.hp.eps), p.w.tensor(weight))
+        return self.g.mul(self.g.rms_norm(x, self.hp.eps), self.w.tensor(weight))
 
     def situ(self, g: Graph, gate: Tensor, up: Tensor) -> Tensor:
         """kimi_k3_situ: beta*tanh(gate/beta)*sigmoid(gate) * lb*tanh(up/lb)."""
@@ -191,11 +189,11 @@ class LayerGraph:
             up = g.scale(g.tanh(g.scale(up, f32(np.float32(1) / np.float32(lb)))), lb)
         return g.mul(a, up)
 
-    def res_mix(self, p: Products, cur: Tensor, stack: Tensor | None, score: str, n_tokens: int) -> Tensor:
+    def res_mix(self, cur: Tensor, stack: Tensor | None, score: str, n_tokens: int) -> Tensor:
         """llama_model_kimi_k3::graph::res_mix."""
         if stack is None:
             return cur
-        g, w = p.g, p.w.tensor(score)
+        g, w = self.g, self.w.tensor(score)
         n_ckpt = stack.ne[1]
         sc_src = g.sum_rows(g.mul(g.rms_norm(stack, self.hp.eps), w))
         sc_src = g.reshape_2d(sc_src, n_ckpt, n_tokens)
@@ -215,47 +213,47 @@ class LayerGraph:
         return out
 
     # --- a layer (the graph's loop body) ---
-    def build_layer(self, p: Products, il: int, x: Tensor, bank: list[Tensor]) -> Tensor:
-        g, hp = p.g, self.hp
+    def build_layer(self, il: int, x: Tensor, bank: list[Tensor]) -> Tensor:
+        g, hp = self.g, self.hp
         pre = f"blk.{il}."
         n_tokens = x.ne[1]
         use_res = hp.res_block > 0
         stack = self.stack(g, bank)
-        cur = self.res_mix(p, x, stack, pre + "attn_res_score.weight", n_tokens) if use_res else x
+        cur = self.res_mix(x, stack, pre + "attn_res_score.weight", n_tokens) if use_res else x
         banked = hp.banked(il)
         if banked:  # res_push: the raw layer input, appended
             ckpt = g.reshape_3d(x, x.ne[0], 1, n_tokens)
             stack = ckpt if stack is None else g.concat(stack, ckpt, 1)
-        cur = self.norm(p, cur, pre + "attn_norm.weight")
-        cur = self.kda(p, il, cur) if hp.is_recurrent(il) else self.mla(p, il, cur)
+        cur = self.norm(cur, pre + "attn_norm.weight")
+        cur = self.kda(il, cur) if hp.is_recurrent(il) else self.mla(il, cur)
         prefix = cur if banked else g.add(x, cur)
-        cur = self.res_mix(p, prefix, stack, pre + "ffn_res_score.weight", n_tokens) if use_res else prefix
-        cur = self.norm(p, cur, pre + "ffn_norm.weight")
+        cur = self.res_mix(prefix, stack, pre + "ffn_res_score.weight", n_tokens) if use_res else prefix
+        cur = self.norm(cur, pre + "ffn_norm.weight")
         if il < hp.n_dense_lead:
-            gate = p.mul_mat(pre + "ffn_gate.weight", cur)
-            up = p.mul_mat(pre + "ffn_up.weight", cur)
-            cur = p.mul_mat(pre + "ffn_down.weight", self.situ(g, gate, up))
+            gate = self.mm(pre + "ffn_gate.weight", cur)
+            up = self.mm(pre + "ffn_up.weight", cur)
+            cur = self.mm(pre + "ffn_down.weight", self.situ(g, gate, up))
         else:
-            cur = self.latent_moe(p, il, cur)
+            cur = self.latent_moe(il, cur)
         return g.add(prefix, cur)
 
-    def build_head(self, p: Products, x: Tensor, bank: list[Tensor]) -> Tensor:
-        g = p.g
+    def build_head(self, x: Tensor, bank: list[Tensor]) -> Tensor:
+        g = self.g
         cur = x
         if self.hp.res_block > 0:
-            cur = self.res_mix(p, cur, self.stack(g, bank), "output_res_score.weight", x.ne[1])
-        cur = self.norm(p, cur, "output_norm.weight")
-        return p.mul_mat("output.weight", cur)
+            cur = self.res_mix(cur, self.stack(g, bank), "output_res_score.weight", x.ne[1])
+        cur = self.norm(cur, "output_norm.weight")
+        return self.mm("output.weight", cur)
 
     # --- KDA (build_kda_layer; the delta rule as build_delta_net_fused) ---
-    def conv(self, p: Products, x: Tensor, proj: str, conv_w: str) -> Tensor:
-        g, hp = p.g, self.hp
+    def conv(self, x: Tensor, proj: str, conv_w: str) -> Tensor:
+        g, hp = self.g, self.hp
         d_inner, n_tokens = hp.kda_head_dim * hp.n_head, x.ne[1]
-        x_proj = p.mul_mat(proj, x)
+        x_proj = self.mm(proj, x)
         x_3d = g.reshape_3d(x_proj, d_inner, n_tokens, 1)
         state = g.zeros((hp.d_conv - 1, d_inner, 1))  # a new sequence's
         conv_x = g.concat(state, g.transpose(x_3d), 0)
-        cur = g.ssm_conv(conv_x, g.reshape_2d(p.w.tensor(conv_w), hp.d_conv, d_inner))
+        cur = g.ssm_conv(conv_x, g.reshape_2d(self.w.tensor(conv_w), hp.d_conv, d_inner))
         cur = g.silu(g.reshape_2d(cur, d_inner, n_tokens))
         return g.reshape_4d(cur, hp.kda_head_dim, hp.n_head, n_tokens, 1)
 
@@ -264,36 +262,36 @@ class LayerGraph:
         n = np.float32(x.ne[0])
         return g.scale(g.rms_norm(x, f32(np.float32(self.hp.eps) / n)), f32(np.float32(1) / np.sqrt(n)))
 
-    def kda(self, p: Products, il: int, cur: Tensor) -> Tensor:
-        g, hp = p.g, self.hp
+    def kda(self, il: int, cur: Tensor) -> Tensor:
+        g, hp = self.g, self.hp
         pre = f"blk.{il}."
         hd, nh, n_tokens = hp.kda_head_dim, hp.n_head, cur.ne[1]
-        q = self.conv(p, cur, pre + "attn_q.weight", pre + "ssm_conv1d_q.weight")
-        k = self.conv(p, cur, pre + "attn_k.weight", pre + "ssm_conv1d_k.weight")
-        v = self.conv(p, cur, pre + "attn_v.weight", pre + "ssm_conv1d_v.weight")
-        f_a = p.mul_mat(pre + "ssm_f_a.weight", cur)
-        g1 = g.add(p.mul_mat(pre + "ssm_f_b.weight", f_a), p.w.tensor(pre + "ssm_dt.bias"))
-        a = g.reshape_3d(p.w.tensor(pre + "ssm_a"), 1, nh, 1)
+        q = self.conv(cur, pre + "attn_q.weight", pre + "ssm_conv1d_q.weight")
+        k = self.conv(cur, pre + "attn_k.weight", pre + "ssm_conv1d_k.weight")
+        v = self.conv(cur, pre + "attn_v.weight", pre + "ssm_conv1d_v.weight")
+        f_a = self.mm(pre + "ssm_f_a.weight", cur)
+        g1 = g.add(self.mm(pre + "ssm_f_b.weight", f_a), self.w.tensor(pre + "ssm_dt.bias"))
+        a = g.reshape_3d(self.w.tensor(pre + "ssm_a"), 1, nh, 1)
         if hp.gate_lower_bound is not None:
             g1 = g.mul(g.reshape_3d(g1, hd, nh, n_tokens), a)
             g1 = g.scale(g.sigmoid(g.scale(g1, -1.0)), hp.gate_lower_bound)
         else:
             g1 = g.mul(g.reshape_3d(g.softplus(g1), hd, nh, n_tokens), a)
         g1 = g.reshape_4d(g1, hd, nh, n_tokens, 1)
-        beta = g.sigmoid(g.reshape_4d(p.mul_mat(pre + "ssm_beta.weight", cur), 1, nh, n_tokens, 1))
+        beta = g.sigmoid(g.reshape_4d(self.mm(pre + "ssm_beta.weight", cur), 1, nh, n_tokens, 1))
         state = g.reshape_4d(g.zeros((hd * hd * nh, 1)), hd, hd, nh, 1)
         q, k = self.l2_norm(g, q), self.l2_norm(g, k)
         result = g.gated_delta_net(q, k, v, g1, beta, state, 1)
         out = g.view_4d(result, hd, nh, n_tokens, 1, 4 * hd, 4 * hd * nh, 4 * hd * nh * n_tokens, 0)
         out = g.cont(out)
-        g2 = g.reshape_3d(p.mul_mat(pre + "ssm_g.weight", cur), hd, nh, n_tokens)
-        normed = self.norm(p, g.reshape_3d(out, hd, nh, n_tokens), pre + "ssm_norm.weight")
+        g2 = g.reshape_3d(self.mm(pre + "ssm_g.weight", cur), hd, nh, n_tokens)
+        normed = self.norm(g.reshape_3d(out, hd, nh, n_tokens), pre + "ssm_norm.weight")
         gated = g.cont_2d(g.mul(normed, g.sigmoid(g2)), hd * nh, n_tokens)
-        return p.mul_mat(pre + "attn_output.weight", gated)
+        return self.mm(pre + "attn_output.weight", gated)
 
     # --- MLA (build_mla_layer; attention as build_attn with a K-only F16 cache and flash attention) ---
-    def mla(self, p: Products, il: int, cur: Tensor) -> Tensor:
-        g, hp = p.g, self.hp
+    def mla(self, il: int, cur: Tensor) -> Tensor:
+        g, hp = self.g, self.hp
         pre = f"blk.{il}."
         n_tokens, nh = cur.ne[1], hp.n_head
         kvl, rope = hp.n_lora_kv, hp.n_rot
@@ -301,75 +299,86 @@ class LayerGraph:
         nope = k_mla - rope
         row = 4  # F32
         inp_gate = cur
-        if p.w.has(pre + "attn_q_a.weight"):
-            q = p.mul_mat(pre + "attn_q_a.weight", cur)
-            q = p.mul_mat(pre + "attn_q_b.weight", self.norm(p, q, pre + "attn_q_a_norm.weight"))
+        if self.w.has(pre + "attn_q_a.weight"):
+            q = self.mm(pre + "attn_q_a.weight", cur)
+            q = self.mm(pre + "attn_q_b.weight", self.norm(q, pre + "attn_q_a_norm.weight"))
         else:
-            q = p.mul_mat(pre + "attn_q.weight", cur)
-        kv_pe = p.mul_mat(pre + "attn_kv_a_mqa.weight", cur)
+            q = self.mm(pre + "attn_q.weight", cur)
+        kv_pe = self.mm(pre + "attn_kv_a_mqa.weight", cur)
         kv_cmpr = g.view_2d(kv_pe, kvl, n_tokens, row * (kvl + rope), 0)
         k_pe = g.view_3d(kv_pe, rope, 1, n_tokens, row * (kvl + rope), row * (kvl + rope), row * kvl)
-        kv_cmpr = self.norm(p, kv_cmpr, pre + "attn_kv_a_norm.weight")
+        kv_cmpr = self.norm(kv_cmpr, pre + "attn_kv_a_norm.weight")
         q_nope = g.view_3d(q, nope, nh, n_tokens, row * k_mla, row * k_mla * nh, 0)
         q_pe = g.view_3d(q, rope, nh, n_tokens, row * k_mla, row * k_mla * nh, row * nope)
-        q_abs = p.mul_mat(pre + "attn_k_b.weight", g.permute(q_nope, 0, 2, 1, 3))
+        q_abs = self.mm(pre + "attn_k_b.weight", g.permute(q_nope, 0, 2, 1, 3))
         q_abs = g.permute(q_abs, 0, 2, 1, 3)
         Q = g.concat(q_abs, q_pe, 0)
         kv_3d = g.reshape_3d(kv_cmpr, kvl, 1, n_tokens)
         K = g.concat(kv_3d, k_pe, 0)
         g.expand(Q, kv_3d, K)
         cache = g.cast(K, F16)  # the K cache (K-only: V is its first kv_lora_rank values)
-        k = cache
-        v = g.view_4d(cache, kvl, k.ne[1], k.ne[2], k.ne[3], k.nb[1], k.nb[2], k.nb[3], 0)
-        out = self.attention(
-            p, Q, k, v, pre + "attn_v_b.weight", f32(np.float32(1) / np.sqrt(np.float32(k_mla)))
-        )
-        if p.w.has(pre + "attn_gate.weight"):
-            out = g.mul(out, g.sigmoid(p.mul_mat(pre + "attn_gate.weight", inp_gate)))
-        return p.mul_mat(pre + "attn_output.weight", out)
+        scale = f32(np.float32(1) / np.sqrt(np.float32(k_mla)))
+        out = self.attention(Q, cache, kvl, pre + "attn_v_b.weight", scale)
+        if self.w.has(pre + "attn_gate.weight"):
+            out = g.mul(out, g.sigmoid(self.mm(pre + "attn_gate.weight", inp_gate)))
+        return self.mm(pre + "attn_output.weight", out)
 
-    def attention(self, p: Products, q: Tensor, k: Tensor, v: Tensor, v_mla: str, scale: float) -> Tensor:
-        """build_attn_mha with flash attention, one stream, then ``v_mla``."""
-        g = p.g
-        n_tokens = q.ne[2]
-        q = g.view_4d(q, q.ne[0], q.ne[1], q.ne[2], 1, q.nb[1], q.nb[2], q.nb[2] * q.ne[2], 0)
-        q, k, v = g.permute(q, 0, 2, 1, 3), g.permute(k, 0, 2, 1, 3), g.permute(v, 0, 2, 1, 3)
-        causal = np.where(np.tril(np.ones((n_tokens, n_tokens), bool)), 0.0, -np.inf).astype(np.float16)
-        cur = g.flash_attn_ext(q, k, v, g.input(causal, F16), scale, 0.0, 0.0)
-        g.set_n_kv_max(cur, 0)
-        g.set_prec_f32(cur)
-        cur = g.permute(cur, 0, 2, 1, 3)
-        cur = p.mul_mat(v_mla, cur)
-        cur = g.cont(g.permute(cur, 0, 2, 1, 3))
-        return g.reshape_2d(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
+    def attention(self, Q: Tensor, cache: Tensor, dv: int, v_mla: str, scale: float) -> Tensor:
+        """build_attn_mha with flash attention and ``v_mla``, once per ubatch llama.cpp cuts the chunk
+        into (``self.slices``: its queries [a, b) attend to the cache's first b cells): the flash
+        attention kernel ggml picks depends on how many queries it is given, so they are given as
+        llama.cpp gives them."""
+        g = self.g
+        outs = []
+        for a, b in self.slices:
+            q = g.view_3d(Q, Q.ne[0], Q.ne[1], b - a, Q.nb[1], Q.nb[2], a * Q.nb[2])
+            k = g.view_4d(cache, cache.ne[0], cache.ne[1], b, 1, cache.nb[1], cache.nb[2], cache.nb[2] * b, 0)
+            v = g.view_4d(cache, dv, k.ne[1], k.ne[2], k.ne[3], k.nb[1], k.nb[2], k.nb[3], 0)
+            q = g.view_4d(q, q.ne[0], q.ne[1], q.ne[2], 1, q.nb[1], q.nb[2], q.nb[2] * q.ne[2], 0)
+            q, k, v = g.permute(q, 0, 2, 1, 3), g.permute(k, 0, 2, 1, 3), g.permute(v, 0, 2, 1, 3)
+            seen = np.arange(b)[None, :] <= np.arange(a, b)[:, None]
+            causal = np.where(seen, 0.0, -np.inf).astype(np.float16)
+            cur = g.flash_attn_ext(q, k, v, g.input(causal, F16), scale, 0.0, 0.0)
+            g.set_n_kv_max(cur, 0)
+            g.set_prec_f32(cur)
+            cur = g.permute(cur, 0, 2, 1, 3)
+            cur = self.mm(v_mla, cur)
+            cur = g.cont(g.permute(cur, 0, 2, 1, 3))
+            outs.append(g.reshape_2d(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3]))
+        out = outs[0]
+        for more in outs[1:]:
+            out = g.concat(out, more, 1)
+        return out
 
     # --- the latent MoE (build_latent_moe, build_moe_ffn) ---
-    def latent_moe(self, p: Products, il: int, cur: Tensor) -> Tensor:
-        g = p.g
+    def latent_moe(self, il: int, cur: Tensor) -> Tensor:
+        g = self.g
         pre = f"blk.{il}."
         n_tokens = cur.ne[1]
         identity = cur
         routed_in = (
-            p.mul_mat(pre + "ffn_routed_down.weight", cur) if p.w.has(pre + "ffn_routed_down.weight") else cur
+            self.mm(pre + "ffn_routed_down.weight", cur)
+            if self.w.has(pre + "ffn_routed_down.weight")
+            else cur
         )
-        logits = p.mul_mat(pre + "ffn_gate_inp.weight", identity)
-        moe_out = self.moe_ffn(p, pre, routed_in, logits, n_tokens)
-        if p.w.has(pre + "ffn_routed_norm.weight"):
-            moe_out = self.norm(p, moe_out, pre + "ffn_routed_norm.weight")
-        if p.w.has(pre + "ffn_routed_up.weight"):
-            moe_out = p.mul_mat(pre + "ffn_routed_up.weight", moe_out)
-        if p.w.has(pre + "ffn_gate_shexp.weight"):
-            gate = p.mul_mat(pre + "ffn_gate_shexp.weight", identity)
-            up = p.mul_mat(pre + "ffn_up_shexp.weight", identity)
-            sh = p.mul_mat(pre + "ffn_down_shexp.weight", self.situ(g, gate, up))
+        logits = self.mm(pre + "ffn_gate_inp.weight", identity)
+        moe_out = self.moe_ffn(pre, routed_in, logits, n_tokens)
+        if self.w.has(pre + "ffn_routed_norm.weight"):
+            moe_out = self.norm(moe_out, pre + "ffn_routed_norm.weight")
+        if self.w.has(pre + "ffn_routed_up.weight"):
+            moe_out = self.mm(pre + "ffn_routed_up.weight", moe_out)
+        if self.w.has(pre + "ffn_gate_shexp.weight"):
+            gate = self.mm(pre + "ffn_gate_shexp.weight", identity)
+            up = self.mm(pre + "ffn_up_shexp.weight", identity)
+            sh = self.mm(pre + "ffn_down_shexp.weight", self.situ(g, gate, up))
             moe_out = g.add(moe_out, sh)
         return moe_out
 
-    def moe_ffn(self, p: Products, pre: str, cur: Tensor, logits: Tensor, n_tokens: int) -> Tensor:
-        g, hp = p.g, self.hp
+    def moe_ffn(self, pre: str, cur: Tensor, logits: Tensor, n_tokens: int) -> Tensor:
+        g, hp = self.g, self.hp
         n_used, n_expert = hp.n_expert_used, hp.n_expert
         probs = g.sigmoid(logits)
-        selection = g.add(probs, p.w.tensor(pre + "exp_probs_b.bias"))
+        selection = g.add(probs, self.w.tensor(pre + "exp_probs_b.bias"))
         selected = g.argsort_top_k(selection, n_used)
         weights = g.get_rows(g.reshape_3d(probs, 1, n_expert, n_tokens), selected)
         if hp.weights_norm:
@@ -380,9 +389,9 @@ class LayerGraph:
             weights = g.scale(weights, hp.weights_scale)
         g.expand(weights)
         x = g.reshape_3d(cur, cur.ne[0], 1, n_tokens)
-        up = p.mul_mat_id(pre + "ffn_up_exps.weight", x, selected)
-        gate = p.mul_mat_id(pre + "ffn_gate_exps.weight", x, selected)
-        experts = p.mul_mat_id(pre + "ffn_down_exps.weight", self.situ(g, gate, up), selected)
+        up = self.mm_id(pre + "ffn_up_exps.weight", x, selected)
+        gate = self.mm_id(pre + "ffn_gate_exps.weight", x, selected)
+        experts = self.mm_id(pre + "ffn_down_exps.weight", self.situ(g, gate, up), selected)
         experts = g.mul(experts, weights)
         g.expand(experts)
         n_embd = experts.ne[0]

@@ -5,6 +5,7 @@ mmproj. The front passes ``MODEL`` to the pipeline, which imports nothing from h
 from __future__ import annotations
 
 from k3lab.formats.safetensors import INDEX_NAME
+from k3lab.kimi_k3.calibration import CALIBRATION
 from k3lab.kimi_k3.config import K3Config
 from k3lab.kimi_k3.guide import GUIDE
 from k3lab.kimi_k3.keys import ARCH, file_kvs, tokenizer_kvs
@@ -40,4 +41,5 @@ MODEL = Model(
     other_prefixes=MMPROJ.prefixes,
     guide=GUIDE,
     check_source=check_formats,
+    calibration=CALIBRATION,
 )

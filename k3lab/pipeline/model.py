@@ -164,6 +164,45 @@ class Guide:
     check_vision: Callable[..., Any] | None = None
 
 
+@dataclass(frozen=True)
+class CalibrationStep:
+    """One step of the imatrix stage (the calibration text moved through the model a step at a
+    time): its name, the state it reads and writes per chunk (named [tokens, width] arrays), the
+    set's tensors it holds (``names``, and those under ``prefix``), its layer (-1: none), and
+    ``rows``: a matrix whose rows the tokens pick (the embedding: no graph)."""
+
+    name: str
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    names: tuple[str, ...] = ()
+    prefix: str = ""
+    layer: int = -1
+    rows: str = ""
+
+    def owns(self, tensor: str) -> bool:
+        return tensor in self.names or bool(self.prefix and tensor.startswith(self.prefix))
+
+
+class Calibration(Protocol):
+    """What the imatrix stage needs of a model: its steps (from file 1's metadata) and each step's
+    graph of ggml operations (``formats.ggml_compute.Graph``), built from the step's weights and the
+    chunk's state; the graph records its matrix products, whose inputs the stage sums."""
+
+    def steps(self, kvs: dict[str, Any]) -> list[CalibrationStep]: ...
+
+    def build(
+        self,
+        kvs: dict[str, Any],
+        step: CalibrationStep,
+        g: Any,
+        w: Any,
+        state: dict[str, Any],
+        slices: list[tuple[int, int]],
+    ) -> dict[str, Any]:
+        """One chunk's graph; ``slices``: its tokens [a, b) as llama.cpp's ubatches hold them (what a
+        kernel is given at once can change its arithmetic: attention, whose queries a ubatch holds)."""
+
+
 @dataclass(frozen=True, eq=False)
 class Model:
     name: str  # GGUF general.architecture
@@ -190,6 +229,7 @@ class Model:
     # (config, tensor name -> file) -> None, or one line when the checkpoint's tensors cannot be what
     # the config says (Kimi-K3: MXFP4-packed experts without a quantization_config)
     check_source: Callable[[Any, dict[str, str]], None] | None = None
+    calibration: Calibration | None = None  # the imatrix stage's steps and graphs
 
     @property
     def rules_digest(self) -> str:

@@ -47,16 +47,23 @@ class Sums:
 
     process_output: bool = False
     entries: dict[str, Entry] = field(default_factory=dict)
+    datasets: list[str] = field(default_factory=list)  # an imatrix file's, when these came from one
+    chunk_count: int = 0
 
     def collects(self, name: str) -> bool:
         return name.startswith("blk.") or (self.process_output and name == "output.weight")
 
-    def dense(self, name: str, x: np.ndarray, batch_rows: int) -> None:
+    def dense(self, name: str, x: np.ndarray, kept: np.ndarray | None = None) -> None:
         """The input of ``ggml_mul_mat(W, x)``: x [rows, n], or [n_mat, rows, n] for a weight of 3
-        dims; ``batch_rows``: the rows llama.cpp's product had (its batch: under 16, not collected)."""
-        if not self.collects(name) or batch_rows < MIN_ROWS:
+        dims; ``kept``: which rows llama.cpp sums (those of a product of 16 rows or more: see
+        ``run.ubatches``), all by default."""
+        if not self.collects(name):
             return
         x3 = x if x.ndim == 3 else x.reshape(1, -1, x.shape[-1])
+        if kept is not None:
+            if not kept.any():
+                return
+            x3 = x3[:, kept]
         # (one count for all the matrices of a 3-D weight: its sums are one row of n_mat * n)
         squares = np.einsum("mrn,mrn->mn", x3, x3, dtype=np.float32).reshape(1, -1)
         e = self.entries.get(name)
@@ -81,9 +88,12 @@ class Sums:
             e = self.entries[name] = Entry(
                 np.zeros((n_expert, x.shape[-1]), np.float32), np.zeros(n_expert, np.int64)
             )
-        np.add.at(e.values, flat, (xs * xs).astype(np.float32))
+        order = np.argsort(flat, kind="stable")
+        chosen = flat[order]
+        touched, starts = np.unique(chosen, return_index=True)
+        squares = xs[order] * xs[order]
+        e.values[touched] += np.add.reduceat(squares, starts, axis=0, dtype=np.float32)
         e.counts += np.bincount(flat, minlength=n_expert)
-        touched = np.unique(flat)
         if not np.isfinite(e.values[touched]).all():
             raise NotFinite(
                 f"tensor {name}: its input holds a value that is not finite (llama-imatrix stops too)"

@@ -1,5 +1,5 @@
 """A state file in ``OUT/.k3lab/``: a first line ``k3lab-state/1 KIND SHA256`` (KIND is ``plan``,
-``kvs``, ``record`` or ``variant``; SHA256 that of the rest), then one JSON document (``tail -n +2 FILE`` shows
+``kvs``, ``record``, ``variant`` or ``imatrix``; SHA256 that of the rest), then one JSON document (``tail -n +2 FILE`` shows
 it). Written as ``NAME.PID.partial`` (created new, never through a symlink), fsynced and renamed;
 read back only when its line, kind and digest check out, else it reads as absent (None): the work it
 describes is redone, never trusted, never a traceback."""
@@ -20,7 +20,13 @@ from k3lab.pipeline.state.names import FolderError
 
 STATE_MAGIC = "k3lab-state/1"
 MiB = 1024 * 1024
-STATE_LIMITS = {"plan": 512 * MiB, "kvs": 512 * MiB, "record": 256 * MiB, "variant": 512 * MiB}
+STATE_LIMITS = {
+    "plan": 512 * MiB,
+    "kvs": 512 * MiB,
+    "record": 256 * MiB,
+    "variant": 512 * MiB,
+    "imatrix": 64 * MiB,
+}
 
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
