@@ -107,6 +107,10 @@ _BASE = {
     "ggml_flash_attn_ext_set_n_kv_max": ([_P, ctypes.c_int32], None),
     "ggml_prec_set_acc": ([_P, _I], ctypes.c_bool),
     "ggml_dsv4_hc_pre": ([_P, _P, _P], _P),
+    # backend buffers (a weight ggml's CPU backend repacks lives in one of the repack type)
+    "ggml_backend_alloc_ctx_tensors_from_buft": ([_P, _P], _P),
+    "ggml_backend_tensor_set": ([_P, _P, _SZ, _SZ], None),
+    "ggml_backend_buffer_free": ([_P], None),
 }
 
 
@@ -122,6 +126,13 @@ class _Lib:
         for name, (args, res) in _BASE.items():
             f = getattr(self.base, name)
             f.argtypes, f.restype = args, res
+        for name in ("ggml_cpu_has_avx2", "ggml_cpu_has_neon", "ggml_cpu_has_dotprod"):
+            getattr(self.cpu, name).argtypes, getattr(self.cpu, name).restype = [], _I
+        # (a C++ function of libggml-cpu's: ggml_backend_cpu_repack_buffer_type())
+        f = getattr(self.cpu, "_Z35ggml_backend_cpu_repack_buffer_typev", None)
+        if f is not None:
+            f.argtypes, f.restype = [], _P
+        self.repack_buffer_type = f
         f = self.cpu.ggml_graph_plan
         f.argtypes, f.restype = [_P, _I, _P], _CPlan
         f = self.cpu.ggml_graph_compute
@@ -228,26 +239,62 @@ class WeightInfo:
         return row_size(self.type_id, self.ne[0]) * math.prod(self.ne[1:])
 
 
+def repacked(type_id: int, ne: tuple[int, ...]) -> bool:
+    """Whether llama.cpp's CPU backend keeps this weight repacked for its products (a buffer of the
+    ``CPU_REPACK`` type, whose kernels add in another order): ggml's ``ggml_repack_get_optimal_repack_type``
+    for the one type of a lossless set it repacks, MXFP4 (AVX2: rows in eights; NEON with dot
+    products: in fours). A weight of another type is multiplied as it is stored."""
+    L = lib()
+    if type_id != TYPE_IDS["MXFP4"] or L.repack_buffer_type is None or len(ne) < 2:
+        return False
+    if L.cpu.ggml_cpu_has_avx2():
+        return ne[1] % 8 == 0
+    return bool(L.cpu.ggml_cpu_has_neon() and L.cpu.ggml_cpu_has_dotprod() and ne[1] % 4 == 0)
+
+
 class Weights:
-    """Weights in one ggml context, each filled once by ``fill(info, into)`` (``into``: the tensor's
-    memory as a uint8 array of its bytes; read the file straight into it); ``tensor(name)`` for a
-    graph. ``close`` frees the memory."""
+    """Weights held for ggml's products as llama.cpp holds them: in one context of their own, each
+    filled once by ``fill(info, into)`` (``into``: a uint8 array of the tensor's bytes; read the file
+    straight into it); a weight llama.cpp's CPU backend repacks (``repacked``) in a buffer of that
+    type, its bytes handed to ggml (which repacks them) through one reused buffer. ``tensor(name)``
+    for a graph; ``close`` frees the memory."""
 
     def __init__(self, infos: Iterable[WeightInfo], fill: Callable[[WeightInfo, np.ndarray], None]):
         self.infos = {w.name: w for w in infos}
-        total = sum(w.nbytes + 64 for w in self.infos.values())
-        self._ctx = _Context(total, len(self.infos))
+        plain = [w for w in self.infos.values() if not repacked(w.type_id, w.ne)]
+        packed = [w for w in self.infos.values() if repacked(w.type_id, w.ne)]
+        self._ctx = _Context(sum(w.nbytes + 64 for w in plain), len(plain))
+        self._packed_ctx = _Context(0, len(packed), no_alloc=True) if packed else None
+        self._buffer = None
         self._tensors: dict[str, Tensor] = {}
         self._names: dict[int, str] = {}
         try:
-            for w in self.infos.values():
+            for w in plain:
                 t = self._ctx.new(w.type_id, w.ne)
                 fill(w, _memory(t))
-                self._tensors[w.name] = Tensor(t)
-                self._names[t] = w.name
+                self._add(w, t)
+            if packed:
+                self._fill_packed(packed, fill)
         except BaseException:
             self.close()
             raise
+
+    def _add(self, w: WeightInfo, t: int) -> None:
+        self._tensors[w.name] = Tensor(t)
+        self._names[t] = w.name
+
+    def _fill_packed(self, packed: list[WeightInfo], fill: Callable[[WeightInfo, np.ndarray], None]) -> None:
+        L = lib()
+        assert self._packed_ctx is not None
+        made = [(w, self._packed_ctx.new(w.type_id, w.ne)) for w in packed]
+        self._buffer = L.base.ggml_backend_alloc_ctx_tensors_from_buft(self._packed_ctx.ptr, L.repack_buffer_type())
+        if not self._buffer:
+            raise GGMLError(f"ggml could not allocate {sum(w.nbytes for w in packed):,} bytes of repacked weights")
+        staging = np.empty(max(w.nbytes for w in packed), dtype=np.uint8)
+        for w, t in made:
+            fill(w, staging[: w.nbytes])
+            L.base.ggml_backend_tensor_set(t, staging.ctypes.data, 0, w.nbytes)
+            self._add(w, t)
 
     def tensor(self, name: str) -> Tensor:
         return self._tensors[name]
@@ -260,7 +307,12 @@ class Weights:
         return self._names.get(t.ptr)
 
     def close(self) -> None:
+        if self._buffer:
+            lib().base.ggml_backend_buffer_free(self._buffer)
+            self._buffer = None
         self._ctx.close()
+        if self._packed_ctx is not None:
+            self._packed_ctx.close()
 
     def __enter__(self) -> Weights:
         return self
