@@ -287,9 +287,13 @@ class Weights:
         L = lib()
         assert self._packed_ctx is not None
         made = [(w, self._packed_ctx.new(w.type_id, w.ne)) for w in packed]
-        self._buffer = L.base.ggml_backend_alloc_ctx_tensors_from_buft(self._packed_ctx.ptr, L.repack_buffer_type())
+        self._buffer = L.base.ggml_backend_alloc_ctx_tensors_from_buft(
+            self._packed_ctx.ptr, L.repack_buffer_type()
+        )
         if not self._buffer:
-            raise GGMLError(f"ggml could not allocate {sum(w.nbytes for w in packed):,} bytes of repacked weights")
+            raise GGMLError(
+                f"ggml could not allocate {sum(w.nbytes for w in packed):,} bytes of repacked weights"
+            )
         staging = np.empty(max(w.nbytes for w in packed), dtype=np.uint8)
         for w, t in made:
             fill(w, staging[: w.nbytes])

@@ -15,8 +15,9 @@ How llama-imatrix batches is kept, where it shows in the numbers: it runs ``n_se
 size`` chunks side by side, and llama.cpp cuts that batch into ubatches of at most 512 tokens holding
 the same number of tokens of each chunk (``split_equal``); so a chunk's tokens come in slices
 (``ubatches``). Attention is computed a slice at a time, as there (ggml's flash attention picks its
-kernel by the number of queries), and a dense product of fewer than 16 rows (a ubatch of few
-tokens) is not summed, as llama-imatrix skips it.
+kernel by the number of queries), and a dense product of fewer than 16 rows is not summed, as
+llama-imatrix skips it: a ubatch of few tokens, or a product made per sequence (each chunk is a KV
+stream of its own there: the MLA value projection after attention sees one slice's rows).
 """
 
 from __future__ import annotations
@@ -218,10 +219,10 @@ def run_step(
                         continue
                     value = x.read(3 if len(w.infos[name].ne) > 2 else 2)
                     tokens = value.shape[-2]
-                    if tokens != n_ctx:
+                    if tokens != n_ctx:  # (made per stream: its rows are this chunk's slice alone)
                         i = by_slice[name] = by_slice.get(name, -1) + 1
                         a, b, _ = cuts[i % len(cuts)]
-                        sums.dense(name, value, kept[a:b])
+                        sums.dense(name, value, np.full(b - a, b - a >= MIN_ROWS))
                     else:
                         sums.dense(name, value, kept)
                 for name in step.writes:

@@ -1,0 +1,302 @@
+"""The importance matrix computed a layer at a time (``k3lab imatrix``), judged by llama.cpp's own
+``llama-imatrix`` (the vendored tree's tool, on the same libraries) run on the same set, text and
+options: the same entries, every count equal, every value within ``TOLERANCE`` of its entry's largest
+(what is left is the order float32 sums are added in: each layer's outputs are llama.cpp's bit for
+bit); at the sizes llama.cpp cuts a batch into (slices of a chunk, a ubatch of fewer than 16 rows),
+with ``--process-output``, ``--in-file`` and the legacy ``.dat``; variants made with it as good as
+with llama-imatrix's; resumed after a kill to the same file; bad input one line, nothing written."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from conftest import ROOT, convert
+from llama_support import needs_llama
+
+from k3lab.cli import main
+from k3lab.kimi_k3.synth import synthesize
+
+pytestmark = needs_llama
+TEXT = ROOT / "tests" / "data" / "imatrix-calibration.txt"
+TOLERANCE = 1e-5  # of each entry's largest value (measured: 2e-6 at most, on every set here)
+
+
+def _entries(path: Path) -> tuple[dict[str, np.ndarray], dict[str, object]]:
+    r = gguf.GGUFReader(path)
+    keys = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    return {t.name: np.asarray(t.data).astype(np.float64) for t in r.tensors}, keys
+
+
+def _judge(first: Path, tmp: Path, *flags: str, name: str = "ref.gguf") -> Path:
+    """llama-imatrix on the set whose first file is ``first`` (run beside the text, as ``-f calib.txt``)."""
+    from llama_tree import llama_imatrix
+
+    shutil.copy(TEXT, tmp / "calib.txt")
+    cmd = [str(llama_imatrix()), "-m", str(first), "-f", "calib.txt", "-o", name, "-t", "2", *flags]
+    done = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, errors="replace", timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return tmp / name
+
+
+def _ours(set_dir: Path, tmp: Path, *flags: str, name: str = "ours.gguf") -> Path:
+    shutil.copy(TEXT, tmp / "calib.txt")
+    out = tmp / name
+    assert (
+        main(
+            [
+                "imatrix",
+                str(set_dir),
+                "--calibration",
+                str(tmp / "calib.txt"),
+                "--out",
+                str(out),
+                "--quiet",
+                *flags,
+            ]
+        )
+        == 0
+    )
+    return out
+
+
+def _same(ours: Path, theirs: Path) -> float:
+    """The worst value's distance from llama-imatrix's, relative to its entry's largest; names and
+    counts must be equal."""
+    mine, _ = _entries(ours)
+    ref, ref_keys = _entries(theirs)
+    assert sorted(mine) == sorted(ref)
+    for name in ref:
+        if name.endswith(".counts"):
+            assert np.array_equal(mine[name], ref[name]), name
+    worst = max(
+        np.abs(mine[n] - ref[n]).max() / max(np.abs(ref[n]).max(), 1e-30)
+        for n in ref
+        if n.endswith(".in_sum2")
+    )
+    assert worst <= TOLERANCE, worst
+    _, keys = _entries(ours)
+    for key in ("imatrix.chunk_count", "imatrix.chunk_size"):
+        assert keys[key] == ref_keys[key], key
+    return float(worst)
+
+
+def _first(set_dir: Path) -> Path:
+    return sorted(set_dir.glob("*.gguf"))[0]
+
+
+@pytest.fixture(scope="module")
+def widths_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("widths-src")
+    synthesize("widths", src, seed=0)
+    out = tmp_path_factory.mktemp("widths-set")
+    assert convert(src, out, per_layer=False) == 0
+    return out
+
+
+@pytest.mark.parametrize("which", ["split set", "one file"])
+def test_the_imatrix_of_tiny_is_llama_imatrixs(
+    which: str, tiny_out: Path, tiny_one: Path, tmp_path: Path
+) -> None:
+    set_dir = tmp_path / "set"
+    shutil.copytree(tiny_out if which == "split set" else tiny_one, set_dir)
+    flags = ("-c", "64", "--chunks", "8")
+    worst = _same(_ours(set_dir, tmp_path, *flags), _judge(_first(set_dir), tmp_path, *flags))
+    print(f"tiny ({which}): worst value {worst:.2e} of its entry's largest")
+    _, keys = _entries(tmp_path / "ours.gguf")
+    text_sha = __import__("hashlib").sha256(TEXT.read_bytes()).hexdigest()
+    assert (
+        keys["imatrix.datasets"] == [str(tmp_path / "calib.txt")]
+        and keys["k3lab.calibration.sha256"] == text_sha
+    )
+    assert not list((set_dir / ".k3lab" / "imatrix").glob("*.f32"))  # (the state between steps is gone)
+
+
+def test_slices_of_a_chunk_and_the_output_matrix_are_llama_imatrixs(widths_set: Path, tmp_path: Path) -> None:
+    """Chunks of 48 tokens, 12 in a batch: llama.cpp's ubatches take 42 tokens of each, then 6 (its
+    attention kernel sees that many queries); --process-output sums output.weight's input too."""
+    flags = ("-c", "48", "--chunks", "12", "--process-output")
+    worst = _same(_ours(widths_set, tmp_path, *flags), _judge(_first(widths_set), tmp_path, *flags))
+    mine, _ = _entries(tmp_path / "ours.gguf")
+    assert "output.weight.in_sum2" in mine
+    print(f"widths, slices of 42 and 6, with the output: worst value {worst:.2e}")
+
+
+def test_a_ubatch_of_fewer_than_16_rows_is_not_summed_as_llama_imatrix_skips_it(
+    tiny_one: Path, tmp_path: Path
+) -> None:
+    """A chunk of 1030 tokens alone in its batch: ubatches of 512, 512 and 6 tokens; llama-imatrix sums
+    no dense product of the last (6 rows), the experts' it does."""
+    flags = ("-c", "1030", "--chunks", "2")
+    worst = _same(_ours(tiny_one, tmp_path, *flags), _judge(_first(tiny_one), tmp_path, *flags))
+    mine, _ = _entries(tmp_path / "ours.gguf")
+    assert mine["blk.0.attn_q.weight.counts"][0] == 2 * (1030 - 6)
+    print(f"tiny, ubatches of 512, 512 and 6: worst value {worst:.2e}")
+
+
+def test_in_file_and_the_legacy_format_are_llama_imatrixs(tiny_one: Path, tmp_path: Path) -> None:
+    earlier = ROOT / "tests" / "data" / "imatrix-tiny.gguf"
+    flags = ("-c", "64", "--chunks", "4")
+    ours = _ours(tiny_one, tmp_path, *flags, "--in-file", str(earlier))
+    theirs = _judge(_first(tiny_one), tmp_path, *flags, "--in-file", str(earlier))
+    _same(ours, theirs)
+    _, keys = _entries(ours)
+    assert (
+        keys["imatrix.chunk_count"] == 12 and len(keys["imatrix.datasets"]) == 2
+    )  # (8 + 4 chunks; both texts)
+    dat = _ours(tiny_one, tmp_path, *flags, "--output-format", "dat", name="ours.dat")
+    ref_dat = _judge(_first(tiny_one), tmp_path, *flags, "--output-format", "dat", name="ref.dat")
+    from k3lab.formats.imatrix import read_index, vector
+
+    def values(path: Path) -> dict[str, np.ndarray]:
+        raw = path.read_bytes()
+        read = lambda a, n: raw[a : a + n]  # noqa: E731
+        index = read_index(read, len(raw), str(path))
+        return {n: vector(e, read, str(path)) for n, e in index.entries.items()}
+
+    mine, ref = values(dat), values(ref_dat)
+    assert sorted(mine) == sorted(ref)
+    assert max(np.abs(mine[n] - ref[n]).max() / np.abs(ref[n]).max() for n in ref) <= TOLERANCE
+    assert dat.read_bytes()[-12:] != b"" and dat.read_bytes().endswith(str(tmp_path / "calib.txt").encode())
+
+
+def test_a_variant_made_with_it_is_as_good_as_with_llama_imatrixs(widths_set: Path, tmp_path: Path) -> None:
+    """IQ2_XXS at Kimi-K3's row widths needs an imatrix: made with each, the KL divergence from the
+    lossless set (llama.cpp's logits, as llama-perplexity --kl-divergence defines it) is no worse."""
+    from k3lab.explore.variants import kl_divergence
+
+    set_dir = tmp_path / "set"
+    shutil.copytree(widths_set, set_dir)
+    flags = ("-c", "64", "--chunks", "8")
+    ours, theirs = _ours(set_dir, tmp_path, *flags), _judge(_first(set_dir), tmp_path, *flags)
+    for label, im in (("ours", ours), ("theirs", theirs)):
+        assert (
+            main(
+                [
+                    "quantize",
+                    str(set_dir),
+                    "--type",
+                    "IQ2_XXS",
+                    "--label",
+                    label,
+                    "--imatrix",
+                    str(im),
+                    "--quiet",
+                ]
+            )
+            == 0
+        )
+    kl = {
+        label: kl_divergence(_first(set_dir), _first(set_dir / label), label) for label in ("ours", "theirs")
+    }
+    for k in kl.values():
+        print(k.line())
+    assert kl["ours"].mean <= kl["theirs"].mean * 1.001 + 1e-9
+
+
+def test_a_killed_imatrix_run_resumes_to_the_same_file(widths_set: Path, tmp_path: Path) -> None:
+    """SIGKILL once a few steps are recorded (each step slowed, so that the kill lands between them);
+    the same command again computes only the steps left and writes the file one run writes."""
+    set_dir = tmp_path / "set"
+    shutil.copytree(widths_set, set_dir)
+    shutil.copy(TEXT, tmp_path / "calib.txt")
+    args = [
+        "imatrix",
+        str(set_dir),
+        "--calibration",
+        str(tmp_path / "calib.txt"),
+        "-c",
+        "64",
+        "--chunks",
+        "8",
+        "--quiet",
+    ]
+    code = (
+        "import sys, time\n"
+        "from k3lab.pipeline.calibrating import run\n"
+        "real = run.run_step\n"
+        "run.run_step = lambda *a, **k: (time.sleep(0.4), real(*a, **k))[1]\n"
+        "from k3lab.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], start_new_session=True)
+    state = set_dir / ".k3lab" / "imatrix"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (state / "step-003.json").exists():
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (state / "step-003.json").exists() and not (set_dir / "imatrix.gguf").exists()
+    done = subprocess.run(
+        [sys.executable, "-m", "k3lab.cli", *args[:-1]], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    assert "already done" in done.stdout and "0 already done" not in done.stdout, done.stdout
+    clean = tmp_path / "clean"
+    shutil.copytree(widths_set, clean)
+    assert main(["imatrix", str(clean), *args[2:]]) == 0
+    assert (set_dir / "imatrix.gguf").read_bytes() == (clean / "imatrix.gguf").read_bytes()
+    assert not list(state.glob("*.partial")) and not list(state.glob("*.f32"))
+
+
+def _tree(path: Path) -> dict[str, int]:
+    return {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*"))}
+
+
+BAD = {
+    "an empty text": (b"", [], "empty"),
+    "a binary text": (b"\x00\x01\x02 some bytes", [], "NUL bytes: a binary file"),
+    "text that is not UTF-8": (b"caf\xe9 \xff\xfe", [], "not UTF-8 text"),
+    "a text shorter than two chunks": (b"one short sentence.\n", [], "fewer than two chunks of 512"),
+    "chunks larger than the context": (None, ["-c", "5000"], "chunks of 1 to 4096 tokens"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_calibration_input_is_one_line_and_writes_nothing(
+    case: str, tiny_one: Path, tmp_path: Path, capsys
+) -> None:
+    set_dir = tmp_path / "set"
+    shutil.copytree(tiny_one, set_dir)
+    data, flags, said = BAD[case]
+    text = tmp_path / "text.txt"
+    text.write_bytes(TEXT.read_bytes() if data is None else data)
+    before = _tree(set_dir)
+    assert main(["imatrix", str(set_dir), "--calibration", str(text), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said in err[0], err
+    assert _tree(set_dir) == before  # no state, no imatrix
+
+
+def test_a_set_not_finished_and_a_hub_text_that_does_not_exist_are_one_line(
+    tiny_out: Path, tmp_path: Path, capsys
+) -> None:
+    set_dir = tmp_path / "set"
+    shutil.copytree(tiny_out, set_dir)
+    (set_dir / "Kimi-K3-MXFP4-00004-of-00009.gguf").unlink()
+    before = _tree(set_dir)
+    assert main(["imatrix", str(set_dir), "--calibration", str(TEXT)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a finished file of the set" in err[0], err
+    assert _tree(set_dir) == before
+    from hub_server import HubServer
+
+    shutil.copytree(tiny_out, tmp_path / "whole")
+    with HubServer(tmp_path / "whole") as hub:
+        for k, v in hub.client_env(tmp_path).items():
+            os.environ[k] = v
+        try:
+            code = main(["imatrix", str(tmp_path / "whole"), "--calibration", "nobody/nothing:text.txt"])
+        finally:
+            for k in hub.client_env(tmp_path):
+                os.environ.pop(k, None)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "nobody/nothing" in err[0], err
