@@ -61,7 +61,7 @@ def _quantize(req: Request, args: argparse.Namespace) -> int:
 def _imatrix(req: Request, args: argparse.Namespace) -> int:
     from k3lab import imatrix
 
-    result = imatrix.compute(req, imatrix.options(args), None if req.quiet else _say)
+    result = imatrix.compute(req, args, None if req.quiet else _say)
     reached = sum(int((e.counts > 0).sum()) for e in result.entries.values() if e.counts.size > 1)
     experts = sum(e.counts.size for e in result.entries.values() if e.counts.size > 1)
     print(

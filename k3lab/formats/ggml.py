@@ -95,7 +95,14 @@ class _Traits(ctypes.Structure):
 
 
 _TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
-_LIB_NAMES = {"linux": "libggml-base.so", "darwin": "libggml-base.dylib", "win32": "ggml-base.dll"}
+# The names tried, first found wins: on Linux the soname llama.cpp's own libraries link against
+# first, since a wheel holds the library under each name as a separate copy and two copies loaded
+# are two ggmls (two loggers, two sets of tables) in one process.
+_LIB_NAMES = {
+    "linux": ("libggml-base.so.0", "libggml-base.so"),
+    "darwin": ("libggml-base.0.dylib", "libggml-base.dylib"),
+    "win32": ("ggml-base.dll",),
+}
 
 
 def library_path() -> Path:
@@ -107,11 +114,12 @@ def library_path() -> Path:
             "quantising needs llama.cpp's ggml, which llama-cpp-python installs: "
             "pip install 'k3lab[llama]' (it builds llama.cpp: about 10 minutes on 2 cores)"
         )
-    name = _LIB_NAMES.get(sys.platform, "libggml-base.so")
-    path = Path(next(iter(spec.submodule_search_locations))) / "lib" / name
-    if not path.is_file():
-        raise GGMLMissing(f"{path}: llama-cpp-python is installed without its ggml library")
-    return path
+    folder = Path(next(iter(spec.submodule_search_locations))) / "lib"
+    names = _LIB_NAMES.get(sys.platform, _LIB_NAMES["linux"])
+    for name in names:
+        if (folder / name).is_file():
+            return folder / name
+    raise GGMLMissing(f"{folder / names[-1]}: llama-cpp-python is installed without its ggml library")
 
 
 class GGML:

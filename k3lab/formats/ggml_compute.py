@@ -111,7 +111,14 @@ _BASE = {
     "ggml_backend_alloc_ctx_tensors_from_buft": ([_P, _P], _P),
     "ggml_backend_tensor_set": ([_P, _P, _SZ, _SZ], None),
     "ggml_backend_buffer_free": ([_P], None),
+    "ggml_log_get": ([_P, _P], None),
+    "ggml_log_set": ([_P, _P], None),
 }
+
+# ggml's log callback: (level, text, user data); the silent one drops what ggml says while it repacks
+# (a line per tensor at DEBUG level that ggml's default logger prints whatever the level).
+_LOG_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+_SILENT = _LOG_CALLBACK(lambda level, text, data: None)
 
 
 class _Lib:
@@ -154,13 +161,21 @@ class _Context:
     """A ggml context of ``size`` bytes for its tensors' memory (and their overhead), freed on
     ``close``; ``no_alloc``: tensors without memory (a graph measured, not computed)."""
 
-    def __init__(self, size: int, n_tensors: int, graph_nodes: int = 0, no_alloc: bool = False):
+    def __init__(
+        self,
+        size: int,
+        n_tensors: int,
+        graph_nodes: int = 0,
+        no_alloc: bool = False,
+        arena: Arena | None = None,
+    ):
         L = lib()
         self.L = L
         mem = size + (n_tensors + 16) * L.base.ggml_tensor_overhead() + (1 << 20)
         if graph_nodes:
             mem += L.base.ggml_graph_overhead_custom(graph_nodes, False)
-        self.ptr = L.base.ggml_init(_InitParams(mem, None, no_alloc))
+        where = arena.memory(mem) if arena is not None and not no_alloc else None
+        self.ptr = L.base.ggml_init(_InitParams(mem, where, no_alloc))
         if not self.ptr:
             raise GGMLError(f"ggml could not make a context of {mem:,} bytes (out of memory?)")
 
@@ -175,6 +190,32 @@ class _Context:
         if self.ptr:
             self.L.base.ggml_free(self.ptr)
             self.ptr = None
+
+
+class Arena:
+    """Memory a run of graphs reuses (their tensors', ggml's work buffer): allocated once, grown
+    when a graph needs more, so that a graph computed chunk after chunk does not ask the system
+    for (and touch, page by page) gigabytes each time. One graph at a time uses it."""
+
+    ALIGN = 64
+
+    def __init__(self) -> None:
+        self._spaces: dict[str, np.ndarray] = {}
+
+    def _space(self, kind: str, n: int) -> int:
+        have = self._spaces.get(kind)
+        if have is None or have.size < n + self.ALIGN:
+            self._spaces[kind] = have = np.empty(n + self.ALIGN, dtype=np.uint8)
+        address = have.ctypes.data
+        return address + -address % self.ALIGN
+
+    def memory(self, n: int) -> int:
+        """The address of ``n`` bytes for a graph's context (aligned as ggml asks)."""
+        return self._space("memory", n)
+
+    def work(self, n: int) -> int:
+        """The address of ``n`` bytes for ggml's work buffer."""
+        return self._space("work", n)
 
 
 def _memory(ptr: int) -> np.ndarray:
@@ -295,10 +336,16 @@ class Weights:
                 f"ggml could not allocate {sum(w.nbytes for w in packed):,} bytes of repacked weights"
             )
         staging = np.empty(max(w.nbytes for w in packed), dtype=np.uint8)
-        for w, t in made:
-            fill(w, staging[: w.nbytes])
-            L.base.ggml_backend_tensor_set(t, staging.ctypes.data, 0, w.nbytes)
-            self._add(w, t)
+        callback, data = ctypes.c_void_p(), ctypes.c_void_p()
+        L.base.ggml_log_get(ctypes.byref(callback), ctypes.byref(data))
+        L.base.ggml_log_set(ctypes.cast(_SILENT, ctypes.c_void_p), None)
+        try:
+            for w, t in made:
+                fill(w, staging[: w.nbytes])
+                L.base.ggml_backend_tensor_set(t, staging.ctypes.data, 0, w.nbytes)
+                self._add(w, t)
+        finally:
+            L.base.ggml_log_set(callback, data)
 
     def tensor(self, name: str) -> Tensor:
         return self._tensors[name]
@@ -330,14 +377,17 @@ class Graph:
     built with the methods below (each returns the new ``Tensor``), ``compute`` on ``threads`` (the
     work buffer ggml's plan asks for is the graph's own). ``measure=True``: nothing allocated, only
     ``needed`` counted (build the same graph twice: measured, then for real). Use as a context
-    manager: its memory goes on exit."""
+    manager: its memory goes on exit (``arena``: memory it borrows instead, reused by the next)."""
 
     MAX_NODES = 8192
     ALIGN = 16  # GGML_MEM_ALIGN: each tensor's memory is padded to it
 
-    def __init__(self, size: int = 0, threads: int = 1, measure: bool = False):
+    def __init__(self, size: int = 0, threads: int = 1, measure: bool = False, arena: Arena | None = None):
         self.measure = measure
-        self._ctx = _Context(0 if measure else size, self.MAX_NODES, self.MAX_NODES, no_alloc=measure)
+        self._arena = arena
+        self._ctx = _Context(
+            0 if measure else size, self.MAX_NODES, self.MAX_NODES, no_alloc=measure, arena=arena
+        )
         self.threads = max(1, threads)
         self._L = lib().base
         self._graph = self._L.ggml_new_graph_custom(self._ctx.ptr, self.MAX_NODES, False)
@@ -414,7 +464,10 @@ class Graph:
             raise GGMLError("a measured graph is not computed")
         cpu = lib().cpu
         plan = cpu.ggml_graph_plan(self._graph, self.threads, None)
-        work = np.empty(max(1, plan.work_size), dtype=np.uint8)
-        plan.work_data = work.ctypes.data
+        if self._arena is not None:
+            plan.work_data = self._arena.work(max(1, plan.work_size))
+        else:
+            work = np.empty(max(1, plan.work_size), dtype=np.uint8)
+            plan.work_data = work.ctypes.data
         if cpu.ggml_graph_compute(self._graph, ctypes.byref(plan)) != 0:
             raise GGMLError("ggml's computation failed")

@@ -91,4 +91,5 @@ GUIDE = Guide(
     ),
     check_logits=_check_logits,
     check_vision=_check_vision,
+    calibration_text=Path(__file__).with_name("data") / "calibration-v1.txt",
 )

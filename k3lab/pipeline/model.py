@@ -146,7 +146,9 @@ class Guide:
     - ``check_logits``: (opened source, GGUF, prompt, token ids, threshold, mode) -> (the whole
       model's report, the per-stage one): ``k3lab check-logits``;
     - ``check_vision``: (opened source, mmproj, image or None, threshold) -> the per-stage
-      report: ``k3lab check-vision``.
+      report: ``k3lab check-vision``;
+    - ``calibration_text``: the default calibration text of ``k3lab imatrix`` (read with its special
+      tokens parsed: it holds conversations in the model's chat format).
     Both import what they need when called (``k3lab --help`` loads no NumPy reference).
     """
 
@@ -162,6 +164,8 @@ class Guide:
     vision_note: str = ""  # what llama.cpp does with the model's mmproj today, in a sentence or two
     check_logits: Callable[..., tuple[Any, Any]] | None = None
     check_vision: Callable[..., Any] | None = None
+    # the model's own calibration text (``k3lab imatrix`` without --calibration), special tokens in it
+    calibration_text: Path | None = None
 
 
 @dataclass(frozen=True)

@@ -332,3 +332,19 @@ def test_special_token_text_in_a_message_is_plain_text_to_moonshot(moonshot: Any
     ids = moonshot.apply_chat_template(messages, tokenize=True)
     open_id = moonshot.model.encode("<|open|>", allowed_special="all")[0]
     assert text.count("<|open|>") == 5 and ids.count(open_id) == 4  # the tags' four, not the text's
+
+
+def test_the_calibration_texts_conversations_are_moonshots_and_its_file_is_its_module(moonshot: Any) -> None:
+    """k3lab's calibration text (``k3lab imatrix`` without --calibration) holds Kimi-K3's chat format
+    as Moonshot's encoder writes it, and the packaged file is what its module makes (regenerate:
+    ``python -m k3lab.kimi_k3.calibration_text > k3lab/kimi_k3/data/calibration-v1.txt``)."""
+    from k3lab.kimi_k3 import calibration_text as calib
+
+    for c, rendered in zip(calib.CHATS, calib.chats()):
+        variables = {
+            "add_generation_prompt": False,
+            **{k: v for k, v in c.items() if k not in ("messages", "tools")},
+        }
+        assert rendered == moonshot_text(moonshot, c["messages"], c.get("tools"), variables)
+    assert calib.FILE.read_text(encoding="utf-8") == calib.text()
+    assert all(rendered in calib.text() for rendered in calib.chats())

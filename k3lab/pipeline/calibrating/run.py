@@ -11,13 +11,10 @@ step. A step is resumable as a unit (``state.calibration``), a stop between chun
 half written. Last, every step's sums (and any ``--in-file``) into one imatrix file, llama-imatrix's
 GGUF (or ``.dat``), written atomically.
 
-How llama-imatrix batches is kept, where it shows in the numbers: it runs ``n_seq = 2048 // chunk
-size`` chunks side by side, and llama.cpp cuts that batch into ubatches of at most 512 tokens holding
-the same number of tokens of each chunk (``split_equal``); so a chunk's tokens come in slices
-(``ubatches``). Attention is computed a slice at a time, as there (ggml's flash attention picks its
-kernel by the number of queries), and a dense product of fewer than 16 rows is not summed, as
-llama-imatrix skips it: a ubatch of few tokens, or a product made per sequence (each chunk is a KV
-stream of its own there: the MLA value projection after attention sees one slice's rows).
+How llama-imatrix batches is kept, where it shows in the numbers (``batches``): a chunk's tokens
+come in llama.cpp's ubatch slices, attention computed a slice at a time as there (ggml's flash
+attention picks its kernel by the number of queries), and every product's input summed in the order
+llama-imatrix adds it.
 """
 
 from __future__ import annotations
@@ -37,8 +34,9 @@ import numpy as np
 from k3lab.errors import K3LabError
 from k3lab.formats import imatrix as imatrix_format
 from k3lab.formats.ggml import TYPE_IDS
-from k3lab.formats.ggml_compute import Graph, WeightInfo, Weights
-from k3lab.pipeline.calibrating.sums import MIN_ROWS, Entry, Sums
+from k3lab.formats.ggml_compute import Arena, Graph, WeightInfo, Weights
+from k3lab.pipeline.calibrating.batches import BatchProducts
+from k3lab.pipeline.calibrating.sums import Entry, Sums
 from k3lab.pipeline.calibrating.text import CalibrationText, read_text
 from k3lab.pipeline.calibrating.tokens import chunks as cut_chunks
 from k3lab.pipeline.calibrating.tokens import tokenize
@@ -47,8 +45,7 @@ from k3lab.pipeline.state import OutputFolder
 from k3lab.pipeline.state.calibration import CalibrationState
 from k3lab.pipeline.state.records import content_digest
 
-PLAN_FORMAT = "k3lab-imatrix-plan/1"  # raised whenever the same inputs would give other sums
-BATCH, UBATCH = 2048, 512  # llama-imatrix's default batch and ubatch
+PLAN_FORMAT = "k3lab-imatrix-plan/2"  # raised whenever the same inputs would give other sums
 MIN_CHUNK, DEFAULT_CHUNK = 1, 512
 
 
@@ -144,16 +141,6 @@ def _rows(reader: Reader, name: str, tokens: np.ndarray) -> np.ndarray:
     return out
 
 
-def ubatches(chunk: int, n_chunks: int, n_ctx: int) -> list[tuple[int, int, int]]:
-    """The chunk's tokens as llama.cpp's ubatches hold them: slices (a, b, rows of that ubatch's
-    products). Its batch holds ``n_seq`` chunks (fewer at the end); each ubatch takes the same number
-    of tokens of every chunk, as many as fit in 512 (at least one), the last what remains."""
-    n_seq = max(1, BATCH // n_ctx)
-    in_batch = min(n_seq, n_chunks - (chunk // n_seq) * n_seq)
-    step = min(n_ctx, max(1, UBATCH // in_batch))
-    return [(a, min(n_ctx, a + step), in_batch * (min(n_ctx, a + step) - a)) for a in range(0, n_ctx, step)]
-
-
 def _threads(n: int | None) -> int:
     import os
 
@@ -185,12 +172,13 @@ def run_step(
     names = [n for n in reader.where if step.owns(n)]
     infos = [WeightInfo(n, TYPE_IDS[reader.where[n][2].type], tuple(reader.where[n][2].ne)) for n in names]
     assert model.calibration is not None
+    heard = BatchProducts(sums, n_chunks, n_ctx)
+    arena = Arena()  # (one chunk's graph after another in the same memory)
     with Weights(infos, lambda info, into: reader.read(info.name, into)) as w:
         for c in range(n_chunks):
             check()
             state = {name: inputs(c, name) for name in step.reads}
-
-            cuts = ubatches(c, n_chunks, n_ctx)
+            cuts = heard.chunk(c)
             slices = [(a, b) for a, b, _ in cuts]
 
             def build(
@@ -202,32 +190,28 @@ def run_step(
             with Graph(measure=True) as m:
                 build(m)
                 needed = m.needed
-            with Graph(needed + (4 << 20), threads) as g:
+            with Graph(needed + (4 << 20), threads, arena=arena) as g:
                 outs = build(g)
                 g.expand(*outs.values())
                 g.compute()
-                kept = np.zeros(n_ctx, bool)
-                for a, b, rows in cuts:
-                    kept[a:b] = rows >= MIN_ROWS
                 by_slice: dict[str, int] = {}  # (a product made a slice at a time: which slice is next)
                 for weight, x, ids in g.products:
                     name = w.name_of(weight)
                     if name is None:
                         continue
                     if ids is not None:
-                        sums.experts(name, x.read(3), ids.read(2), w.infos[name].ne[2])
+                        heard.experts(name, x.read(3), ids.read(2), w.infos[name].ne[2])
                         continue
                     value = x.read(3 if len(w.infos[name].ne) > 2 else 2)
-                    tokens = value.shape[-2]
-                    if tokens != n_ctx:  # (made per stream: its rows are this chunk's slice alone)
+                    if value.shape[-2] != n_ctx:  # (made per stream: its rows are this chunk's slice alone)
                         i = by_slice[name] = by_slice.get(name, -1) + 1
-                        a, b, _ = cuts[i % len(cuts)]
-                        sums.dense(name, value, np.full(b - a, b - a >= MIN_ROWS))
+                        heard.dense(name, value, i % len(cuts))
                     else:
-                        sums.dense(name, value, kept)
+                        heard.dense(name, value)
                 for name in step.writes:
                     value = state[name] if name in state and name not in outs else outs[name].read(2)
                     outputs(name, value)
+        heard.flush()
 
 
 # --- the whole run --------------------------------------------------------------------------------
@@ -235,8 +219,9 @@ def run_step(
 
 def plan_imatrix(
     model: Model, folder: OutputFolder, options: ImatrixOptions
-) -> tuple[dict[str, Any], CalibrationText, dict[str, Any]]:
-    """(the run's plan, the text, file 1's metadata): every check before any work."""
+) -> tuple[dict[str, Any], CalibrationText, dict[str, Any], Sums]:
+    """(the run's plan, the text, file 1's metadata, the ``--in-file`` sums it begins from): every
+    check before any work."""
     if model.calibration is None:
         raise K3LabError(f"{model.name}: k3lab has no forward of this model to compute an imatrix with")
     plan = folder.plans.require(model)
@@ -259,6 +244,11 @@ def plan_imatrix(
     tokens, bos = tokenize(first, text.data, options.parse_special)
     chunked = cut_chunks(tokens, options.chunk_size, options.chunks, bos, f"--calibration {text.source}")
     steps = [s for s in model.calibration.steps(kvs) if s.writes or options.process_output]
+    begun = Sums()
+    for location in options.in_files:  # (added in the order given, as llama-imatrix loads them)
+        loaded = _read_in_file(location)
+        begun.add(loaded)
+        begun.datasets += loaded.datasets
     from k3lab.formats.ggml import ggml
 
     body = {
@@ -273,9 +263,19 @@ def plan_imatrix(
         "process_output": options.process_output,
         "steps": [s.name for s in steps],
         "ggml": ggml().version,
+        "begun_from": _sums_digest(begun),
     }
     body["digest"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-    return body, text, kvs
+    return body, text, kvs, begun
+
+
+def _sums_digest(sums: Sums) -> str:
+    """The SHA-256 of entries' names, sums and counts (what a run begins from)."""
+    h = hashlib.sha256()
+    for name in sorted(sums.entries):
+        e = sums.entries[name]
+        h.update(name.encode() + b"\0" + e.values.astype("<f4").tobytes() + e.counts.astype("<i8").tobytes())
+    return h.hexdigest()
 
 
 def compute_imatrix(
@@ -284,9 +284,8 @@ def compute_imatrix(
     """The imatrix of the finished set in ``set_dir`` (see the module's docstring)."""
     t0 = time.perf_counter()
     folder = OutputFolder(set_dir)
-    body, text, kvs = plan_imatrix(model, folder, options)
+    body, text, kvs, begun = plan_imatrix(model, folder, options)
     out = Path(options.out) if options.out else Path(set_dir) / f"imatrix.{options.output_format}"
-    inputs = [_read_in_file(f) for f in options.in_files]
     assert model.calibration is not None
     steps = [s for s in model.calibration.steps(kvs) if s.name in body["steps"]]
     n_ctx = options.chunk_size
@@ -305,18 +304,19 @@ def compute_imatrix(
         widths: dict[str, int] = {}
         written: dict[str, str] = {}  # array -> its file (the latest step's)
         try:
-            total = Sums(options.process_output)
+            # (every sum begins from the --in-file's, as llama-imatrix adds on top of what it loaded)
+            total = Sums(options.process_output, entries=dict(begun.entries))
             for k, step in enumerate(steps):
                 rec = _finished(state, k, step)
                 if rec is not None:
                     skipped += 1
                     written.update(rec["arrays"])
                     widths.update(rec["widths"])
-                    total.add(_entries_of(state, k))
+                    total.entries.update(_entries_of(state, k).entries)
                     continue
                 if say is not None:
                     say(f"imatrix: {step.name} ({n_chunks} chunks of {n_ctx})")
-                sums = Sums(options.process_output)
+                sums = Sums(options.process_output, start=begun.entries)
                 writers = {name: state.writer(f"{name}.{k:03d}.f32") for name in step.writes}
                 try:
                     run_step(
@@ -345,13 +345,11 @@ def compute_imatrix(
                     if name in written:
                         state.remove(written[name])
                 written.update({n: a["file"] for n, a in arrays.items()})
-                total.add(sums)
+                total.entries.update(sums.entries)
                 done += 1
         finally:
             reader.close()
-        for sums in inputs:
-            total.add(sums)
-        datasets = [d for s in inputs for d in s.datasets] + [text.dataset]
+        datasets = [*begun.datasets, text.dataset]
         _write_final(out, total, datasets, n_chunks, n_ctx, options.output_format, text, body)
         state.clear(keep=("plan.json",))
     return ImatrixResult(out, done, skipped, n_chunks, n_ctx, time.perf_counter() - t0, total.entries, text)

@@ -10,7 +10,9 @@ llama-cpp-python vendors), fed with the inputs of the products that weight takes
   that chose it. Always collected;
 - a value that is not finite stops the run (llama-imatrix exits there).
 
-Sums are float32 as llama-imatrix keeps them; counts are integers. Nothing here knows a model.
+Sums are float32 as llama-imatrix keeps them, each row's squares added in the order llama-imatrix
+adds them (float32 addition does not commute with regrouping: the same order gives the same bits);
+counts are integers. Nothing here knows a model.
 """
 
 from __future__ import annotations
@@ -43,56 +45,72 @@ class Entry:
 
 @dataclass
 class Sums:
-    """The entries of the weights one step multiplies by (``collects(name)``: which are summed)."""
+    """The entries of the weights one step multiplies by (``collects(name)``: which are summed),
+    each begun from ``start``'s entry of that weight when it has one (``--in-file``: llama-imatrix
+    loads those files first and adds on top)."""
 
     process_output: bool = False
     entries: dict[str, Entry] = field(default_factory=dict)
     datasets: list[str] = field(default_factory=list)  # an imatrix file's, when these came from one
     chunk_count: int = 0
+    start: dict[str, Entry] = field(default_factory=dict)
 
     def collects(self, name: str) -> bool:
         return name.startswith("blk.") or (self.process_output and name == "output.weight")
 
-    def dense(self, name: str, x: np.ndarray, kept: np.ndarray | None = None) -> None:
-        """The input of ``ggml_mul_mat(W, x)``: x [rows, n], or [n_mat, rows, n] for a weight of 3
-        dims; ``kept``: which rows llama.cpp sums (those of a product of 16 rows or more: see
-        ``run.ubatches``), all by default."""
+    def _entry(self, name: str, m: int, n: int) -> Entry:
+        e = self.entries.get(name)
+        if e is None:
+            begun = self.start.get(name)
+            if begun is None:
+                e = Entry(np.zeros((m, n), np.float32), np.zeros(1 if m == 1 else m, np.int64))
+            else:
+                e = Entry(begun.values.astype(np.float32).reshape(-1, n).copy(), begun.counts.copy())
+            self.entries[name] = e
+        if e.values.shape != (m, n):
+            raise K3LabError(
+                f"tensor {name}: {m * n} sums here, {e.values.size} in --in-file (another model's imatrix?)"
+            )
+        return e
+
+    def dense(self, name: str, x: np.ndarray) -> None:
+        """One ``ggml_mul_mat(W, x)``'s input as llama-imatrix hears it (the caller keeps llama.cpp's
+        rule: a product of 16 rows or more): x [rows, n], or [n_mat, rows, n] for a weight of 3 dims
+        (its matrices' sums side by side in one row); each row's squares added in turn, in float32."""
         if not self.collects(name):
             return
         x3 = x if x.ndim == 3 else x.reshape(1, -1, x.shape[-1])
-        if kept is not None:
-            if not kept.any():
-                return
-            x3 = x3[:, kept]
-        # (one count for all the matrices of a 3-D weight: its sums are one row of n_mat * n)
-        squares = np.einsum("mrn,mrn->mn", x3, x3, dtype=np.float32).reshape(1, -1)
-        e = self.entries.get(name)
-        if e is None:
-            e = self.entries[name] = Entry(np.zeros_like(squares), np.zeros(1, np.int64))
-        e.values += squares
-        e.counts[0] += x3.shape[1]
+        n_mat, rows, n = x3.shape
+        e = self._entry(name, 1, n_mat * n)
+        if e.counts.size > 1 and (e.counts == e.counts[0]).all():
+            e.counts = e.counts[:1].copy()  # (llama-imatrix: one count for a dense weight)
+        acc = e.values.reshape(n_mat, n)
+        for m in range(n_mat):
+            _add_rows(acc[m], x3[m] * x3[m])
+        e.counts += rows
         if not np.isfinite(e.values).all():
             raise NotFinite(
                 f"tensor {name}: its input holds a value that is not finite (llama-imatrix stops too)"
             )
 
     def experts(self, name: str, x: np.ndarray, ids: np.ndarray, n_expert: int) -> None:
-        """The input of ``ggml_mul_mat_id(W, x, ids)``: x [tokens, 1 or k, n], ids [tokens, k]."""
+        """One ``ggml_mul_mat_id(W, x, ids)``'s input: x [tokens, 1 or k, n], ids [tokens, k]; in
+        llama-imatrix's order: slot by slot, token by token, into the chosen expert's row."""
         if not self.collects(name):
             return
         tokens, k = ids.shape
-        xs = np.broadcast_to(x, (tokens, k, x.shape[-1])).reshape(-1, x.shape[-1])
-        flat = ids.reshape(-1).astype(np.int64)
-        e = self.entries.get(name)
-        if e is None:
-            e = self.entries[name] = Entry(
-                np.zeros((n_expert, x.shape[-1]), np.float32), np.zeros(n_expert, np.int64)
-            )
+        e = self._entry(name, n_expert, x.shape[-1])
+        if e.counts.size == 1:
+            e.counts = np.full(n_expert, e.counts[0])  # (an old file's one count, for every expert)
+        flat = ids.T.reshape(-1).astype(np.int64)  # (slot-major: llama-imatrix's loops)
+        if flat.size and (flat.min() < 0 or flat.max() >= n_expert):
+            raise K3LabError(f"tensor {name}: an expert id outside its {n_expert} experts")
+        squares = (x * x).transpose(1, 0, 2)  # [1 or k, tokens, n]
         order = np.argsort(flat, kind="stable")
-        chosen = flat[order]
-        touched, starts = np.unique(chosen, return_index=True)
-        squares = xs[order] * xs[order]
-        e.values[touched] += np.add.reduceat(squares, starts, axis=0, dtype=np.float32)
+        touched, starts = np.unique(flat[order], return_index=True)
+        for ex, a, b in zip(touched, starts, [*starts[1:], len(order)]):
+            picked = order[a:b]
+            _add_rows(e.values[ex], squares[(picked // tokens) % squares.shape[0], picked % tokens])
         e.counts += np.bincount(flat, minlength=n_expert)
         if not np.isfinite(e.values[touched]).all():
             raise NotFinite(
@@ -114,3 +132,10 @@ class Sums:
                 mine.counts = np.full(e.counts.size, mine.counts[0])
             mine.values += e.values
             mine.counts += e.counts
+
+
+def _add_rows(acc: np.ndarray, squares: np.ndarray) -> None:
+    """acc += each row of ``squares`` [rows, n] in turn, in float32: one ``+=`` per row, as
+    llama-imatrix's loop adds them (a sum of all rows first would round differently)."""
+    for row in squares:
+        acc += row
