@@ -165,8 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--keep-local", action="store_true", help="keep each variant file after uploading it")
     _flags(q, {"--retry-budget": SOURCE_FLAGS["--retry-budget"]}, PUSH_FLAGS)
 
-    im = command("imatrix", _imatrix, "the importance matrix of a converted set, computed a layer at a time")
-    im.add_argument("out_dir", metavar="SET", help="the folder of a converted set")
+    im = command(
+        "imatrix",
+        _imatrix,
+        "the importance matrix of a converted set, llama-imatrix's, a layer at a time (here or on Dask)",
+    )
+    im.add_argument(
+        "out_dir", metavar="SET|ORG/NAME", help="the folder of a converted set, or a set k3lab published"
+    )
+    im.add_argument("--revision", help="with ORG/NAME: the set's branch, tag or commit (default: main)")
     im.add_argument("--calibration", metavar="TEXT", help="a text file, or ORG/NAME:PATH[@REVISION] on the Hub "
                     "(default: k3lab's own calibration text: chat, code, many languages, Kimi-K3's chat format)")  # fmt: skip
     im.add_argument(
@@ -175,7 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument(
         "--chunks", type=CHUNKS, help="at most this many chunks (llama-imatrix's --chunks; default: all)"
     )
-    im.add_argument("--out", help="the imatrix file (default: SET/imatrix.gguf)")
+    im.add_argument(
+        "--out",
+        help="the imatrix file (default: SET/imatrix.gguf; with ORG/NAME needed: its folder keeps the state)",
+    )
     im.add_argument(
         "--output-format", choices=["gguf", "dat"], default="gguf", help="llama-imatrix's formats"
     )
@@ -185,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     im.add_argument("--parse-special", action="store_true", help="special tokens in the text are tokens")
     im.add_argument("--threads", type=JOBS, help="ggml's threads (default: every core)")
+    im.add_argument(
+        "--scheduler", metavar="ADDR", help="a Dask scheduler: a wave of steps at once, one per worker"
+    )
+    _flags(im, {"--retry-budget": SOURCE_FLAGS["--retry-budget"]})
     im.add_argument("--quiet", action="store_true", help="errors and one summary line only")
 
     pu = command("publish", _publish, "push a converted set (and its mmproj, tokenizer) to a Hub repo")

@@ -3,7 +3,9 @@ computed a layer at a time (``pipeline.calibrating``), and what it covers."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +15,65 @@ Say = Callable[[str], None]
 
 
 def compute(req: Any, args: Any, say: Say | None = None) -> Any:
-    """The imatrix of the set in ``req.out_dir`` (``args``: the command's values, or a notebook's)."""
+    """The imatrix of the set in ``req.out_dir``: a folder, or ``ORG/NAME[/FOLDER]`` on the Hub (at
+    ``req.revision``; its state in the folder of ``--out``), computed here or on the Dask cluster at
+    ``req.scheduler`` (``args``: the command's values, or a notebook's)."""
+    from k3lab import values
+    from k3lab.pipeline.calibrating import sets
     from k3lab.pipeline.calibrating.run import compute_imatrix
+    from k3lab.pipeline.state import OutputFolder
 
     if not req.out_dir:
-        raise K3LabError("imatrix: give the folder of a converted set")
+        raise K3LabError("imatrix: give the folder of a converted set, or ORG/NAME of a published one")
     model = req.load_model()
-    return compute_imatrix(model, req.out_dir, options(args, model), say)
+    opts = options(args, model)
+    stages = None
+    try:
+        if req.scheduler:
+            from k3lab.pipeline.calibrating.cluster import dask_stages
+
+            stages = dask_stages(req.scheduler)
+        if not values.is_repo(req.out_dir):
+            if req.revision:
+                raise K3LabError(f"--revision is for a set on the Hub; {req.out_dir} is a folder")
+            folder = OutputFolder(req.out_dir)
+            return compute_imatrix(model, sets.local_set(model, folder), folder, opts, say, stages)
+        if not opts.out:
+            raise K3LabError(f"imatrix {req.out_dir}: give --out FILE (its folder keeps the run's state)")
+        folder = OutputFolder(Path(opts.out).parent)
+        with _nothing_left_unless_begun(folder) as vocab:
+            from k3lab.pipeline.hub.env import hub_env
+
+            env = hub_env(req.retry_budget)
+            calib_set = sets.hub_set(
+                model, req.out_dir, req.revision, env.endpoint, env.token, vocab, env.budget
+            )
+            return compute_imatrix(model, calib_set, folder, opts, say, stages)
+    finally:
+        if stages is not None:
+            stages.client.close()  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def _nothing_left_unless_begun(folder: Any) -> Iterator[Path]:
+    """The state folder made (yields where the vocabulary goes); when the block fails before the run
+    saved its plan (bad input), what it made is removed again: the vocabulary, the folders it made."""
+    from k3lab.formats.files import remove_regular
+    from k3lab.pipeline.state.calibration import CalibrationState
+
+    state = CalibrationState(folder.state)
+    made = [p for p in (folder.path, folder.state, state.dir) if not os.path.lexists(p)]
+    folder.create()
+    state.make()
+    try:
+        yield state.path("vocab.gguf")
+    except BaseException:
+        if state.plan() is None:
+            remove_regular(state.path("vocab.gguf"))
+            for p in reversed(made):
+                with contextlib.suppress(OSError):
+                    os.rmdir(p)
+        raise
 
 
 def default_text(model: Any) -> Path:

@@ -149,6 +149,11 @@ def _value(c: _Cursor, vtype: int, keep: bool, budget: _Budget) -> Any:
         budget.spend(count - kept)
         c.skip_strings(count - kept)
         return out
+    if keep and itype in _SCALAR:  # (a per-layer value: its numbers)
+        fmt = _SCALAR[GGUFValueType(itype)]
+        budget.spend(count)
+        raw = c.take(count * struct.calcsize(fmt))
+        return [x[0] for x in struct.iter_unpack(fmt, raw)]
     stack.append((itype, count))
     while stack:
         itype, left = stack.pop()
@@ -181,10 +186,40 @@ LOADER_MAX_DIMS = 4  # GGML_MAX_DIMS
 LOADER_MAX_NAME = 64  # GGML_MAX_NAME: a tensor's name is shorter
 
 
+def without_tensors(
+    data: bytes | memoryview, dropping: tuple[str, ...] = (), align: int = GGUF_DEFAULT_ALIGNMENT
+) -> bytes:
+    """A header's metadata as a GGUF file of its own: the same version and keys, in order and byte
+    for byte, but those starting with one of ``dropping``; no tensors (what a loader that reads the
+    metadata alone, such as llama.cpp's vocabulary-only load, is given)."""
+    c = _Cursor(data)
+    if bytes(c.take(4)) != MAGIC:
+        raise GGUFHeaderError("not a GGUF file (no GGUF magic)")
+    version = c.unpack("<I")
+    _, n_kv = c.unpack("<Q"), c.unpack("<Q")
+    if n_kv > MAX_KEYS:
+        raise GGUFHeaderError(f"{n_kv} keys: not a real header (at most {MAX_KEYS})")
+    budget = _Budget()
+    kept: list[bytes] = []
+    for _ in range(n_kv):
+        start = c.pos
+        key = c.string()
+        _value(c, c.unpack("<I"), False, budget)
+        if not (dropping and key.startswith(dropping)):
+            kept.append(bytes(c.data[start : c.pos]))
+    body = MAGIC + struct.pack("<IQQ", version, 0, len(kept)) + b"".join(kept)
+    return body + b"\0" * (-len(body) % align)
+
+
 def parse(
-    data: bytes | memoryview, keep: tuple[str, ...] = (), size: int | None = None, loader: bool = False
+    data: bytes | memoryview,
+    keep: tuple[str, ...] = (),
+    size: int | None = None,
+    loader: bool = False,
+    prefixes: tuple[str, ...] = (),
 ) -> Header:
-    """The header at the start of ``data`` (the keys named in ``keep`` read, the others skipped);
+    """The header at the start of ``data`` (the keys named in ``keep``, or starting with one of
+    ``prefixes``, read; the others skipped);
     ``NeedMore`` when ``data`` ends first. ``size``: the whole file's, which every tensor must fit.
     ``loader``: also what ggml's own loader (``gguf_init_from_file``, as ``llama-quantize`` reads an
     imatrix) refuses: an empty or repeated key, a tensor name repeated or of 64 bytes or more, more
@@ -212,8 +247,9 @@ def parse(
                 f"key {printable(key)!r} {'repeated' if key else 'empty'} (ggml's loader refuses it)"
             )
         keys.add(key)
-        value = _value(c, c.unpack("<I"), key in wanted, budget)
-        if key in wanted:
+        kept = key in wanted or (bool(prefixes) and key.startswith(prefixes))
+        value = _value(c, c.unpack("<I"), kept, budget)
+        if kept:
             header.kvs[key] = value
     infos = []
     names: set[str] = set()

@@ -244,9 +244,9 @@ def test_a_killed_imatrix_run_resumes_to_the_same_file(widths_set: Path, tmp_pat
     ]
     code = (
         "import sys, time\n"
-        "from k3lab.pipeline.calibrating import run\n"
-        "real = run.run_step\n"
-        "run.run_step = lambda *a, **k: (time.sleep(0.4), real(*a, **k))[1]\n"
+        "from k3lab.pipeline.calibrating import step\n"
+        "real = step.StepRun.__init__\n"
+        "step.StepRun.__init__ = lambda *a, **k: (time.sleep(0.4), real(*a, **k))[1]\n"
         "from k3lab.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )

@@ -9,6 +9,7 @@ step (a layer) at a time:
                           and each AttnRes checkpoint ``bank.IL``
     step-K.json           step K finished: its arrays' and its entries' SHA-256 and identity
     step-K.gguf           step K's sums, an imatrix of its own weights (llama-imatrix's format)
+    vocab.gguf            a set on the Hub: file 1's metadata (its header, no tensors) for the tokenizer
 
 Every file is written as ``NAME.partial`` (created new, never through a symlink), fsynced, renamed;
 a step's record is written last. A file whose record does not prove it (identity, else its bytes) is
@@ -26,14 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from k3lab.formats.files import hash_span, open_regular, remove_regular
+from k3lab.formats.files import PARTIAL, hash_span, open_regular, partial_path, remove_regular
 from k3lab.pipeline.state.codec import read_state, write_state
 from k3lab.pipeline.state.names import STATE_DIR, FolderError
 from k3lab.pipeline.state.proof import identity
 
 DIR = "imatrix"
 _OWN = re.compile(
-    r"(plan|done|step-\d{3,5})\.json|tokens\.i32|step-\d{3,5}\.gguf|[a-z][a-z0-9_]*(\.\d+)?\.\d{3,5}\.f32"
+    r"(plan|done|step-\d{3,5})\.json|tokens\.i32|vocab\.gguf|step-\d{3,5}\.gguf|[a-z][a-z0-9_]*(\.\d+)?\.\d{3,5}\.f32"
 )
 
 
@@ -42,7 +43,7 @@ class ArrayWriter:
     gives its SHA-256."""
 
     def __init__(self, path: Path):
-        self.path, self.partial = path, path.with_name(path.name + ".partial")
+        self.path, self.partial = path, partial_path(path)
         remove_regular(self.partial)
         try:
             self.fd = os.open(
@@ -150,6 +151,6 @@ class CalibrationState:
         if not self.dir.is_dir():
             return
         for p in self.dir.iterdir():
-            base = p.name[: -len(".partial")] if p.name.endswith(".partial") else p.name
+            base = p.name[: -len(PARTIAL)] if p.name.endswith(PARTIAL) else p.name
             if _OWN.fullmatch(base) and base not in keep:
                 remove_regular(p)
