@@ -135,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     _flags(c, VARIANT_FLAGS)
+    c.add_argument(
+        "--imatrix-from",
+        metavar="TEXT",
+        help="the variants' imatrix: computed from this calibration text once the "
+        "set is whole (`k3lab imatrix`: a file, ORG/NAME:PATH, or `own` for k3lab's), then the variants made with it",
+    )
 
     q = command(
         "quantize", _quantize, "quantised variants of a converted set, file by file, by llama.cpp's ggml"

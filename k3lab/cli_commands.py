@@ -7,6 +7,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from k3lab import request, values
 from k3lab.request import Request
@@ -30,6 +31,15 @@ def _convert(req: Request, args: argparse.Namespace) -> int:
     from k3lab.util import human_bytes
     from k3lab.variants import VariantRequest
 
+    if args.imatrix_from:
+        from k3lab import imatrix
+
+        made = imatrix.convert_then_variants(
+            req, VariantRequest.of(args), args.imatrix_from, None if req.quiet else _say
+        )
+        _print_imatrix(made.imatrix)
+        _say_variants(made.variants, req.out_dir or "", True)
+        return 0
     results = request.convert(req, None if req.quiet else _say, variants=VariantRequest.of(args).build())
     written = [r for r in results if not r.skipped]
     workers = sorted({r.worker for r in written})
@@ -61,7 +71,11 @@ def _quantize(req: Request, args: argparse.Namespace) -> int:
 def _imatrix(req: Request, args: argparse.Namespace) -> int:
     from k3lab import imatrix
 
-    result = imatrix.compute(req, args, None if req.quiet else _say)
+    _print_imatrix(imatrix.compute(req, args, None if req.quiet else _say))
+    return 0
+
+
+def _print_imatrix(result: Any) -> None:
     reached = sum(int((e.counts > 0).sum()) for e in result.entries.values() if e.counts.size > 1)
     experts = sum(e.counts.size for e in result.entries.values() if e.counts.size > 1)
     print(
@@ -70,7 +84,6 @@ def _imatrix(req: Request, args: argparse.Namespace) -> int:
         + (f"; {reached} of {experts} expert rows reached" if experts else "")
         + f" in {result.path}"
     )
-    return 0
 
 
 def _say_variants(results: list, out_dir: str, always: bool = False) -> None:

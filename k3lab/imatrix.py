@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,3 +102,53 @@ def options(args: Any, model: Any) -> Any:
         parse_special=args.parse_special or own,
         threads=args.threads,
     )
+
+
+@dataclass
+class Made:
+    """What ``convert --imatrix-from`` made: the set's files, the imatrix, the variants' files."""
+
+    converted: list[Any]
+    imatrix: Any
+    variants: list[Any]
+
+
+def convert_then_variants(req: Any, asked: Any, text: str, say: Say | None = None) -> Made:
+    """``convert --variants V --imatrix-from TEXT``: the set converted (and published, with
+    ``--push-to``), its imatrix computed from ``TEXT`` (``own``: the model's own text) in its folder
+    (recorded with the set), the variants made with it, and with ``--push-to`` the imatrix published
+    beside the set. Every flag checked before any work."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from k3lab import request
+    from k3lab.variants import quantize
+
+    if not asked.variants:
+        raise K3LabError("--imatrix-from makes the variants' imatrix: name them (--variants IQ2_XXS, ...)")
+    if asked.imatrix:
+        raise K3LabError("--imatrix and --imatrix-from both give the variants' imatrix: give one")
+    if req.push_to and req.scheduler:
+        raise K3LabError(
+            "--imatrix-from with --push-to and --scheduler: the workers keep the set's files apart; publish the "
+            "set, then `k3lab imatrix ORG/NAME --scheduler` and `k3lab quantize --imatrix`"
+        )
+    if req.push_to and not req.keep_local:
+        raise K3LabError(
+            "--imatrix-from with --push-to needs --keep-local: the imatrix and the variants are made from "
+            "the set's files in --out-dir once it is whole"
+        )
+    if not req.out_dir:
+        raise K3LabError("--out-dir: give the folder to write the set into")
+    asked.build()  # (the variant flags checked before anything is converted)
+    converted = request.convert(req, say)
+    args = SimpleNamespace(
+        calibration=None if text == "own" else text, chunk_size=512, chunks=None, out=None, process_output=False,
+        in_file=None, output_format="gguf", parse_special=False, threads=asked.threads,
+    )  # fmt: skip
+    set_req = dataclasses.replace(req, repo=None, revision=None, scheduler=req.scheduler)
+    made = compute(set_req, args, say)
+    variants = quantize(req, dataclasses.replace(asked, imatrix=str(made.path)), say)
+    if req.push_to:
+        request.publish(req, say)
+    return Made(converted, made, variants)

@@ -43,6 +43,8 @@ HEADER_STEP = 1 << 20  # the first read of a GGUF imatrix; more when its header 
 MAX_HEADER = 256 << 20
 SUMS, COUNTS = ".in_sum2", ".counts"
 KEYS = ("general.type", "imatrix.datasets", "imatrix.chunk_count", "imatrix.chunk_size")
+# what k3lab imatrix adds (read when there): the calibration text's SHA-256 and where it came from
+CALIBRATION_KEYS = ("k3lab.calibration.sha256", "k3lab.calibration.source")
 
 
 class IMatrixError(K3LabError):
@@ -97,6 +99,7 @@ class IMatrix:
     chunk_size: int = 0
     legacy: bool = False
     size: int = 0
+    calibration: tuple[str, str] = ("", "")  # k3lab's: (the text's SHA-256, its source), when recorded
 
 
 def read_index(read: Read, size: int, where: str) -> IMatrix:
@@ -114,7 +117,7 @@ def _gguf_index(read: Read, size: int, where: str) -> IMatrix:
     want = min(size, HEADER_STEP)
     while True:
         try:
-            header = parse(read(0, want), keep=KEYS, size=size, loader=True)
+            header = parse(read(0, want), keep=KEYS + CALIBRATION_KEYS, size=size, loader=True)
             break
         except NeedMore as more:
             if more.at_least > size:
@@ -161,7 +164,16 @@ def _gguf_index(read: Read, size: int, where: str) -> IMatrix:
         counts["imatrix.chunk_size"],
         False,
         size,
+        _calibration(header.kvs),
     )
+
+
+def _calibration(kvs: dict[str, object]) -> tuple[str, str]:
+    """k3lab's calibration keys, when they are what k3lab writes (a SHA-256, a short source)."""
+    sha, source = (kvs.get(k) for k in CALIBRATION_KEYS)
+    if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+        return ("", "")
+    return (sha, printable(source[:300]) if isinstance(source, str) else "")
 
 
 def _legacy_index(read: Read, size: int, where: str) -> IMatrix:

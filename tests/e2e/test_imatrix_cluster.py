@@ -113,3 +113,30 @@ def test_hub_flags_on_a_folder_are_one_line(flag: tuple[str, str], tiny_out: Pat
     assert main(["imatrix", str(tiny_out), *flag, *FLAGS]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--revision is for a set on the Hub" in err[0], err
+
+
+def test_the_imatrix_is_one_of_the_sets_files_published_and_verified(tiny_out: Path, tmp_path: Path) -> None:
+    """Made in the set's folder, the imatrix is recorded with the set (its manifest), checked by
+    `verify`, published by `publish` beside the set and checked there by `verify ORG/NAME`; a byte
+    changed in it is found."""
+    out = tmp_path / "set"
+    shutil.copytree(tiny_out, out)
+    assert main(["imatrix", str(out), *FLAGS]) == 0
+    import json
+
+    manifest = json.loads((out / "MANIFEST.json").read_text())
+    assert [f["file"] for f in manifest["files"] if f["kind"] == "imatrix"] == ["imatrix.gguf"]
+    assert run_cli(None, "verify", str(out)).returncode == 0
+    token = "hf_publish_secret_0123456789"
+    with HubServer(_published(tiny_out, tmp_path), token=token) as hub:
+        env = hub.client_env(tmp_path, token)
+        r = run_cli(env, "publish", str(out), REPO)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert hub.files_of(REPO)["imatrix.gguf"] == (out / "imatrix.gguf").read_bytes()
+        r = run_cli(env, "verify", REPO, "--all")
+        assert r.returncode == 0, r.stdout + r.stderr
+    data = bytearray((out / "imatrix.gguf").read_bytes())
+    data[-3] ^= 0x40
+    (out / "imatrix.gguf").write_bytes(bytes(data))
+    r = run_cli(None, "verify", str(out))
+    assert r.returncode == 1 and "imatrix.gguf" in r.stdout, r.stdout

@@ -350,3 +350,46 @@ def test_one_ggml_in_the_process_and_nothing_said_of_its_repacking(tiny_one: Pat
     assert "repack" not in done.stderr and all(
         line.startswith("k3lab: ") for line in done.stderr.splitlines()
     ), done.stderr
+
+
+def test_convert_imatrix_from_goes_from_the_checkpoint_to_the_iq_variants(
+    tiny_src: Path, tiny_one: Path, tmp_path: Path, capsys
+) -> None:
+    """One command from Moonshot's layout to IQ2_XXS: the set, its imatrix (recorded with it), the
+    variant made with it, byte for byte what `imatrix` then `quantize --imatrix` make; its manifest
+    names the calibration text's SHA-256. Flags that cannot go together: one line, nothing written."""
+    import hashlib
+    import json
+
+    shutil.copy(TEXT, tmp_path / "calib.txt")
+    out = tmp_path / "out"
+    flags = ["--variants", "IQ2_XXS", "--imatrix-from", str(tmp_path / "calib.txt")]
+    assert convert(tiny_src, out, *flags, per_layer=False) == 0
+    kinds = [f["kind"] for f in json.loads((out / "MANIFEST.json").read_text())["files"]]
+    assert kinds == ["text", "imatrix"]
+    made_as = json.loads((out / "IQ2_XXS" / "MANIFEST.json").read_text())["made_as"]
+    assert hashlib.sha256(TEXT.read_bytes()).hexdigest() in made_as.splitlines()[1]
+    apart = tmp_path / "apart"
+    shutil.copytree(tiny_one, apart)
+    assert main(["imatrix", str(apart), "--calibration", str(tmp_path / "calib.txt"), "--quiet"]) == 0
+    assert (apart / "imatrix.gguf").read_bytes() == (out / "imatrix.gguf").read_bytes()
+    assert (
+        main(
+            ["quantize", str(apart), "--type", "IQ2_XXS", "--imatrix", str(apart / "imatrix.gguf"), "--quiet"]
+        )
+        == 0
+    )
+    for mine in (out / "IQ2_XXS").glob("*.gguf"):
+        a, b = gguf.GGUFReader(mine), gguf.GGUFReader(apart / "IQ2_XXS" / mine.name)
+        assert [bytes(t.data) for t in a.tensors] == [bytes(t.data) for t in b.tensors]
+    capsys.readouterr()
+    for extra, said in (
+        (["--imatrix-from", "x.txt"], "name them (--variants"),
+        (["--variants", "IQ2_XXS", "--imatrix-from", "x.txt", "--imatrix", "y.gguf"], "give one"),
+        (["--variants", "IQ2_XXS", "--imatrix-from", "x.txt", "--push-to", "a/b"], "needs --keep-local"),
+    ):
+        bad = tmp_path / "bad"
+        assert main(["convert", "--meta", str(tiny_src), "--out-dir", str(bad), "--quiet", *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], err
+        assert not bad.exists()

@@ -209,6 +209,8 @@ def compute_imatrix(
                 reader.close()
         datasets = [*begun.datasets, text.dataset]
         _write_final(out, total, datasets, n_chunks, n_ctx, options.output_format, text, body)
+        if calib_set.is_folder(folder) and out.parent == folder.path and options.output_format == "gguf":
+            _record(folder, out)
         state.clear(keep=("plan.json",))
     done = len(steps) - skipped
     return ImatrixResult(out, done, skipped, n_chunks, n_ctx, time.perf_counter() - t0, total.entries, text)
@@ -241,6 +243,22 @@ class LocalStage:
 
     def close(self) -> None:
         self.step_run.close()
+
+
+def _record(folder: OutputFolder, out: Path) -> None:
+    """The imatrix beside the set it was made from, recorded as one of the set's files (``imatrix``):
+    in its manifest, published and verified with it."""
+    from k3lab.formats import gguf_header
+    from k3lab.pipeline.state.record import TensorRecord
+
+    data = out.read_bytes()
+    header = gguf_header.parse(data)
+    tensors = [
+        TensorRecord(t.name, t.type, t.ne, t.nbytes, t.offset,
+                     hashlib.sha256(data[t.offset : t.offset + t.nbytes]).hexdigest())
+        for t in header.tensors
+    ]  # fmt: skip
+    folder.records.write_single(out, "imatrix", "imatrix", header.data_start, tensors)
 
 
 def _file_sha(path: Path) -> str:

@@ -103,6 +103,10 @@ class CalibrationSet:
 
         return hashlib.sha256(json.dumps(self.files, sort_keys=True).encode()).hexdigest()
 
+    def is_folder(self, folder: Any) -> bool:
+        """Whether this is the set in ``folder`` (a local one)."""
+        return isinstance(self.source, LocalSource) and Path(self.source.folder) == Path(folder.path)
+
     def open(self, names: list[str] | None = None) -> TensorReader:
         """A reader of these tensors (all of them by default)."""
         chosen = self.tensors if names is None else {n: self.tensors[n] for n in names}

@@ -145,6 +145,7 @@ def card_fields(
     others = sorted((r for r in records if not r.is_text), key=lambda r: r.file)
     mmproj = next((r.file for r in others if r.kind == "vision"), "")
     tokenizer = next((r.file for r in others if r.kind == "tokenizer"), "")
+    imatrix = next((r.file for r in others if r.kind == "imatrix"), "")
     total = sum(r.size for r in text)
     pattern = text[0].file if len(text) == 1 else f"{plan.basename}-{plan.label}-*-of-*.gguf"
     local = f"{plan.basename}-GGUF"
@@ -185,7 +186,7 @@ def card_fields(
         if model.guide
         else "",
         "singles_section": _singles_section(
-            model, local, text[0].file if text else "", mmproj, tokenizer, with_mmproj
+            model, local, text[0].file if text else "", mmproj, tokenizer, with_mmproj, imatrix
         ),
         "metadata_table": metadata_table(kvs),
         "variants_section": variants_section(repo, local, variants or {}),
@@ -255,7 +256,9 @@ def _count(ne: tuple[int, ...]) -> int:
     return n
 
 
-def _singles_section(model: Model, local: str, first: str, mmproj: str, tokenizer: str, download: str) -> str:
+def _singles_section(
+    model: Model, local: str, first: str, mmproj: str, tokenizer: str, download: str, imatrix: str = ""
+) -> str:
     """The card's part on the files beside the set (empty when there are none)."""
     parts = []
     if mmproj:
@@ -273,6 +276,18 @@ def _singles_section(model: Model, local: str, first: str, mmproj: str, tokenize
         parts += [
             f"`{tokenizer}` holds the vocabulary and every hyperparameter, no weights: for tools that only "
             "tokenize or read the metadata (llama.cpp's `vocab_only` loading).",
+            "",
+        ]
+    if imatrix:
+        parts += [
+            f"`{imatrix}` is this set's importance matrix in llama-imatrix's format, computed by `k3lab imatrix` "
+            "a layer at a time (the same sums as `llama-imatrix` on the same text, bit for bit); its calibration "
+            "text's source and SHA-256 are in its metadata (`k3lab.calibration.source`, `k3lab.calibration.sha256`). "
+            "The IQ variants need one:",
+            "",
+            "```bash",
+            f"llama-quantize --imatrix {local}/{imatrix} {local}/{first} OUT.gguf IQ2_XXS",
+            "```",
             "",
         ]
     return ("## Beside the set\n\n" + "\n".join(parts)) if parts else ""

@@ -53,14 +53,16 @@ class IMatrixUse:
             "datasets": ix.datasets[:1],
             "chunk_count": ix.chunk_count,
             "chunk_size": ix.chunk_size,
+            "calibration": list(ix.calibration),
             "entries": [e.to_json() for e in ix.entries.values()],
         }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> IMatrixUse:
         entries = {e.name: e for e in (Entry.from_json(row) for row in data["entries"])}
+        calibration = data.get("calibration") or ["", ""]
         index = IMatrix(entries, list(data["datasets"]), int(data["chunk_count"]), int(data["chunk_size"]),
-                        bool(data["legacy"]), int(data["size"]))  # fmt: skip
+                        bool(data["legacy"]), int(data["size"]), (str(calibration[0]), str(calibration[1])))  # fmt: skip
         hub = data.get("hub") or ["", "", "", ""]
         ident = tuple(sorted((str(k), int(v)) for k, v in (data.get("identity") or {}).items()))
         return cls(

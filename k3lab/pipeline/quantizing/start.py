@@ -41,7 +41,7 @@ def save_variants(out_dir: str, plans: Sequence[VariantPlan]) -> None:
         vf.remove_partials()
         vf.variant_plan.save(vp)
         if vf.records.retire(vp):
-            vf.records.merge(made_as=vp.command())
+            vf.records.merge(made_as=vp.made_as())
 
 
 @contextlib.contextmanager

@@ -159,6 +159,18 @@ class VariantPlan:
         )
         return command(self.spec, first, out, self.imatrix.shown if self.imatrix else None, self.keep_split)
 
+    def made_as(self) -> str:
+        """``command()`` for the manifest and the card, with what the imatrix was made from (when
+        k3lab made it: its calibration text) on a comment line after it."""
+        line = self.command()
+        if self.imatrix is not None and self.imatrix.index.calibration[0]:
+            sha, source = self.imatrix.index.calibration
+            line += (
+                f"\n# the imatrix (SHA-256 {self.imatrix.sha256}): k3lab imatrix on the calibration text "
+                f"{source or '(unnamed)'}, SHA-256 {sha}"
+            )
+        return line
+
     @property
     def digest(self) -> str:
         return hashlib.sha256("".join(f.digest for f in self.files).encode()).hexdigest()

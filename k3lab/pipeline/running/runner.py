@@ -111,7 +111,7 @@ def run_planned(
     task = dataclasses.replace(task, variant_digests=tuple(saved[v].digest if v in saved else "" for v in task.variants))  # fmt: skip
     committer = open_committer(plan, publication, say or _say) if publication else None
     if committer is not None:
-        committer.made_as.update({v: vp.command() for v, vp in saved.items()})
+        committer.made_as.update({v: vp.made_as() for v, vp in saved.items()})
     results, todo = _found_complete(plan, task, numbers, folder, committer)
     bar = _bar(plan, task, todo, quiet)
     progress = RunProgress(bar)

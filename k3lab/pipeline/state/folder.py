@@ -86,7 +86,7 @@ class OutputFolder:
 
     def variant_commands(self, labels: tuple[str, ...]) -> dict[str, str]:
         """Each planned variant's command (what its manifest says it was made as)."""
-        return {v: vp.command() for v, vp in self.variant_plans(labels).items()}
+        return {v: vp.made_as() for v, vp in self.variant_plans(labels).items()}
 
     def keep_record(self, record: Any, label: str | None = None) -> None:
         """A file's record, in the set's state (``label`` None) or in variant ``label``'s."""

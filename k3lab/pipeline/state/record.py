@@ -8,14 +8,15 @@ redone) and what ``verify`` checks a set against. ``MANIFEST.json`` is every rec
 published repo.
 
 A record (``Record.to_json``):
-  {"format": "k3lab-manifest/3", "kind": "text" | "vision" | "tokenizer", "file": NAME, "number": k,
+  {"format": "k3lab-manifest/3", "kind": "text" | "vision" | "tokenizer" | "imatrix", "file": NAME, "number": k,
    "size": bytes, "data_start": offset of the first tensor, "header_sha256": hex,
    "tensors": [TensorRecord: {"name", "type", "ne", "nbytes", "offset", "sha256", "transform",
                               "sources": [{"name", "file"}]}],
    text files also: "split_count", "split_tensors", "plan_digest", "basename", "outtype",
                     "sources": [every source file it read: {"file", "size", "data_bytes",
                                 "header_sha256" (, "sha256": the Hub's)}];
-   single files also: "key" (the record's name in .k3lab/: "mmproj", "tokenizer");
+   single files also: "key" (the record's name in .k3lab/: "mmproj", "tokenizer", "imatrix": the importance
+                      matrix ``k3lab imatrix`` made of the set, beside it);
    once published: "sha256" (the whole file's)}
   offset is absolute in the file; sha256 is over the tensor's canonical GGML bytes.
   A k3lab-manifest/2 record (k3lab before output files could read several source files) is read too:
@@ -144,7 +145,7 @@ class TensorRecord:
 
 
 _FIELDS: dict[str, Any] = {  # field -> check, for every record
-    "kind": lambda v: v in ("text", "vision", "tokenizer"),
+    "kind": lambda v: v in ("text", "vision", "tokenizer", "imatrix"),
     "file": _basename,
     "number": lambda v: _int(v) and v >= 0,
     "size": lambda v: _int(v) and v >= 0,
