@@ -177,7 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
         "the importance matrix of a converted set, llama-imatrix's, a layer at a time (here or on Dask)",
     )
     im.add_argument(
-        "out_dir", metavar="SET|ORG/NAME", help="the folder of a converted set, or a set k3lab published"
+        "out_dir",
+        nargs="?",
+        metavar="SET|ORG/NAME",
+        help="the folder of a converted set, or a set k3lab published",
     )
     im.add_argument("--revision", help="with ORG/NAME: the set's branch, tag or commit (default: main)")
     im.add_argument("--calibration", metavar="TEXT", help="a text file, or ORG/NAME:PATH[@REVISION] on the Hub "
@@ -200,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--in-file", action="append", metavar="FILE", help="an imatrix to add to this one (repeatable)"
     )
     im.add_argument("--parse-special", action="store_true", help="special tokens in the text are tokens")
+    im.add_argument(
+        "--show-statistics",
+        action="store_true",
+        help="llama-imatrix's: the figures of the one --in-file "
+        "(per tensor and layer), and which experts the text never reached; nothing computed",
+    )
     im.add_argument("--threads", type=JOBS, help="ggml's threads (default: every core)")
     im.add_argument(
         "--scheduler", metavar="ADDR", help="a Dask scheduler: a wave of steps at once, one per worker"

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from k3lab import request, values
+from k3lab.errors import K3LabError
 from k3lab.request import Request
 
 
@@ -71,6 +72,13 @@ def _quantize(req: Request, args: argparse.Namespace) -> int:
 def _imatrix(req: Request, args: argparse.Namespace) -> int:
     from k3lab import imatrix
 
+    if args.show_statistics:
+        if req.out_dir or len(args.in_file or ()) != 1:
+            raise K3LabError("--show-statistics reads one imatrix: give --in-file FILE alone (no SET)")
+        stats = imatrix.statistics(args.in_file[0])
+        print(stats.table())
+        print("\n".join(stats.coverage.lines()))
+        return 0
     _print_imatrix(imatrix.compute(req, args, None if req.quiet else _say))
     return 0
 

@@ -152,3 +152,35 @@ def convert_then_variants(req: Any, asked: Any, text: str, say: Say | None = Non
     if req.push_to:
         request.publish(req, say)
     return Made(converted, made, variants)
+
+
+@dataclass
+class Statistics:
+    """An imatrix file's figures, as ``llama-imatrix --show-statistics`` gives them, and its coverage."""
+
+    path: Path
+    tensors: list[Any]  # coverage.TensorStats, in llama-imatrix's order
+    layers: list[tuple[int, float, float, float]]
+    coverage: Any  # coverage.Coverage
+
+    def table(self) -> str:
+        """The two tables llama-imatrix prints, in its columns."""
+        head = "\t".join([" Layer", "       Tensor", "          Σ(Act²)", "  Min", "            Max", "           μ",
+                          "   σ", " % Active", "N", "   Entropy", "E (norm)", "ZD", "  CosSim"])  # fmt: skip
+        rows = [f"{head}", "=" * 179, *(s.row() for s in self.tensors), ""]
+        rows += [f"{'  Layer'}\t{'     μΣ(Act²)'}\t{'      μZD'}\t{'μCosSim'}", "=" * 48]
+        rows += [f"{k:5d}\t{b:14.2f}\t{100 * z:10.4f}%\t{c:6.4f}" for k, b, z, c in self.layers]
+        return "\n".join(rows)
+
+
+def statistics(path: str | Path) -> Statistics:
+    """The figures of the imatrix at ``path`` (a local GGUF or .dat): ``k3lab imatrix --show-statistics``."""
+    from k3lab.pipeline.calibrating.coverage import coverage, layer_stats, tensor_stats
+    from k3lab.pipeline.calibrating.run import entries_from_file
+
+    try:
+        entries = entries_from_file(path).entries
+    except OSError as e:
+        raise K3LabError(f"{path}: cannot be read ({e.strerror or e})") from None
+    stats = tensor_stats(entries)
+    return Statistics(Path(path), stats, layer_stats(stats), coverage(entries))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
@@ -285,4 +286,54 @@ def variant_errors(rows: list[dict[str, Any]], title: str) -> Figure:
     ax.set_xlabel("relative RMS error against the lossless tensor")
     ax.set_title(title)
     ax.legend(fontsize="small")
+    return fig
+
+
+def imatrix_coverage(
+    blocks: list[int], grid: np.ndarray, title: str = "calibration tokens per expert"
+) -> Figure:
+    """Tokens that reached each expert, layer by layer (``Coverage.layers``): an expert never reached
+    is drawn in red (llama-quantize weighs its columns evenly)."""
+    fig = Figure(
+        figsize=(min(14, 3 + 0.05 * grid.shape[1] + 4), 0.28 * len(blocks) + 1.6), layout="constrained"
+    )
+    ax = fig.subplots()
+    shown = np.ma.masked_where(grid == 0, np.log10(np.maximum(grid, 1)))
+    cmap = matplotlib.colormaps["viridis"].copy()
+    cmap.set_bad("tab:red")
+    im = ax.imshow(shown, aspect="auto", cmap=cmap, interpolation="nearest")
+    ax.set_yticks(range(len(blocks)), [str(b) for b in blocks], fontsize="small")
+    ax.set_ylabel("layer")
+    ax.set_xlabel("expert")
+    fig.colorbar(im, ax=ax, label="log10 tokens (red: none)")
+    ax.set_title(title)
+    return fig
+
+
+def imatrix_layers(layers: list[tuple[int, float, float, float]]) -> Figure:
+    """llama-imatrix's per-layer averages (``Statistics.layers``): μΣ(Act²) and μCosSim by layer."""
+    fig = Figure(figsize=(8, 3.2), layout="constrained")
+    ax = fig.subplots()
+    xs = [k for k, *_ in layers]
+    ax.plot(xs, [b for _, b, _, _ in layers], marker="o", label="μΣ(Act²)")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("μΣ(Act²) (weighted by columns)")
+    ax2 = ax.twinx()
+    ax2.plot(xs, [c for *_, c in layers], marker="s", color="tab:orange", label="μCosSim to the layer before")
+    ax2.set_ylabel("μCosSim")
+    ax2.set_ylim(-0.05, 1.05)
+    fig.legend(fontsize="small", loc="lower right")
+    ax.set_title("the importance matrix, layer by layer (llama-imatrix --show-statistics' averages)")
+    return fig
+
+
+def column_importance(values: np.ndarray, title: str) -> Figure:
+    """One entry's importance per input column, sorted (how unevenly llama-quantize weighs its columns)."""
+    fig = Figure(figsize=(8, 3), layout="constrained")
+    ax = fig.subplots()
+    ax.plot(np.sort(values)[::-1])
+    ax.set_yscale("log")
+    ax.set_xlabel("input column (largest first)")
+    ax.set_ylabel("mean square activation")
+    ax.set_title(title)
     return fig

@@ -11,6 +11,7 @@ notebook's parameters checked as the CLI checks flags). A notebook imports ``k3l
 
 from __future__ import annotations
 
+from k3lab.explore.imatrix import column_importance, ensure_imatrix, statistics, stats_rows
 from k3lab.explore.layouts import (
     derive_tensor,
     file_layers,
@@ -57,6 +58,10 @@ from k3lab.kimi_k3.explore.scales import (
 from k3lab.kimi_k3.explore.vision import image_way_in, tokenize_with_merges, vision_blocks, weight_stats
 
 __all__ = [
+    "column_importance",
+    "ensure_imatrix",
+    "statistics",
+    "stats_rows",
     "Forwards",
     "three_forwards",
     "chat_differences",

@@ -139,6 +139,9 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "layer": _whole(0),
     "experts": _experts,
     "kl": _flag,
+    "calibration": _text(optional=True, limit=4096),
+    "chunks": _whole(1),
+    "chunk_size": _whole(1),
 }
 
 

@@ -7,12 +7,13 @@ import os
 import re
 from pathlib import Path
 
+import pytest
 from conftest import ROOT
 from notebook_runs import NOTEBOOKS, images_of, result_of, run_notebook
 
 
 def test_notebooks_are_stored_clean_and_parameterised() -> None:
-    assert len(NOTEBOOKS) == 6
+    assert len(NOTEBOOKS) == 7
     for path in NOTEBOOKS:
         nb = json.loads(path.read_text())
         code = [c for c in nb["cells"] if c["cell_type"] == "code"]
@@ -165,6 +166,29 @@ def test_06_variants(tiny_src: Path, tiny_out: Path, tmp_path: Path) -> None:
     if importlib.util.find_spec("llama_cpp") is not None:
         assert set(r["kl"]) == {"Q8_0", "Q2_K", "MoE-Q2_K"} and r["kl"]["Q8_0"][0] < r["kl"]["Q2_K"][0]
         assert (out / "Q2_K" / "Kimi-K3-Q2_K-00001-of-00009.gguf").is_file()
+
+
+def test_07_importance_matrix(tiny_one: Path, tmp_path: Path) -> None:
+    """The set's imatrix computed as `k3lab imatrix` computes it, its coverage drawn (layers x
+    experts), llama-imatrix's figures per tensor (the rows `--show-statistics` prints) and one
+    tensor's columns."""
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("SKIPPED LOUDLY: the imatrix needs llama-cpp-python (pip install 'k3lab[llama]')")
+    out = tmp_path / "set"
+    shutil.copytree(tiny_one, out)
+    text = str(ROOT / "tests" / "data" / "imatrix-calibration.txt")
+    nb = run_notebook("07-importance-matrix.ipynb", tmp_path, out_dir=str(out), calibration=text, chunks=4,
+                      chunk_size=64)  # fmt: skip
+    r = result_of(nb)
+    assert (out / "imatrix.gguf").is_file() and r["imatrix"] == str(out / "imatrix.gguf")
+    assert 0 < r["experts_reached"] < r["experts"] and r["unreached"]
+    from k3lab.imatrix import statistics
+
+    assert r["rows"] == [s.row() for s in statistics(out / "imatrix.gguf").tensors]
+    assert images_of(nb) == 3
 
 
 def test_notebook_defaults_run_anywhere(tmp_path: Path, monkeypatch) -> None:

@@ -393,3 +393,38 @@ def test_convert_imatrix_from_goes_from_the_checkpoint_to_the_iq_variants(
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and said in err[0], err
         assert not bad.exists()
+
+
+@pytest.mark.parametrize("name", ["imatrix-tiny.gguf", "imatrix-widths.gguf"])
+def test_show_statistics_prints_llama_imatrixs_figures(name: str, tiny_one: Path, capsys) -> None:
+    """Every row of `llama-imatrix --show-statistics` (per tensor and per layer), character for
+    character; the experts never reached named, and what llama-quantize does with them."""
+    import re
+
+    from llama_tree import llama_imatrix
+
+    path = ROOT / "tests" / "data" / name
+    assert main(["imatrix", "--show-statistics", "--in-file", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = re.compile(r"^\s*(\d+|-)\t")
+    ours = [line for line in out if rows.match(line)]
+    for _ in range(
+        10
+    ):  # (llama.cpp's logger writes from a thread of its own and may drop its last lines at exit)
+        done = subprocess.run(
+            [str(llama_imatrix()), "-m", str(_first(tiny_one)), "--in-file", str(path), "--show-statistics"],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        lines = (re.sub(r"^\d+\.\d+\.\d+\.\d+ [IWE] ", "", x) for x in done.stderr.splitlines())
+        theirs = [line for line in lines if rows.match(line)]
+        if len(theirs) >= len(ours):
+            break
+    assert ours == theirs
+    from k3lab.imatrix import statistics
+
+    cov = statistics(path).coverage
+    got, total = cov.reached()
+    assert f"{got} of {total} experts reached by the calibration text" in "\n".join(out) and got < total
+    for stack, experts in list(cov.unreached.items())[:20]:  # (the first 20 stacks named, then a count)
+        assert any(line.startswith(f"  {stack}: experts {experts[0]}") for line in out), stack
+    assert "importance 1.0" in out[-1]
