@@ -176,7 +176,7 @@ class Statistics:
 def statistics(path: str | Path) -> Statistics:
     """The figures of the imatrix at ``path`` (a local GGUF or .dat): ``k3lab imatrix --show-statistics``."""
     from k3lab.pipeline.calibrating.coverage import coverage, layer_stats, tensor_stats
-    from k3lab.pipeline.calibrating.run import entries_from_file
+    from k3lab.pipeline.calibrating.output import entries_from_file
 
     try:
         entries = entries_from_file(path).entries

@@ -57,7 +57,7 @@ def stats_rows(stats: Any, limit: int = 40) -> list[dict[str, Any]]:
 def column_importance(path: str | Path, tensor: str, expert: int = 0) -> np.ndarray:
     """One entry's importance per input column (sums over counts, as llama-quantize weighs them; an
     expert never reached: all 1.0, as llama-quantize has it)."""
-    from k3lab.pipeline.calibrating.run import entries_from_file
+    from k3lab.pipeline.calibrating.output import entries_from_file
 
     entries = entries_from_file(path).entries
     if tensor not in entries:

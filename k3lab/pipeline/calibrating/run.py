@@ -29,8 +29,14 @@ from typing import Any
 import numpy as np
 
 from k3lab.errors import K3LabError
-from k3lab.formats import imatrix as imatrix_format
-from k3lab.formats.files import open_regular
+from k3lab.pipeline.calibrating.output import (
+    entries_from_file,
+    file_sha,
+    read_in_file,
+    record_beside,
+    write_entries,
+    write_final,
+)
 from k3lab.pipeline.calibrating.sets import CalibrationSet
 from k3lab.pipeline.calibrating.step import StepRun
 from k3lab.pipeline.calibrating.sums import Entry, Sums
@@ -74,7 +80,6 @@ class ImatrixResult:
 
 
 def _threads(n: int | None) -> int:
-    import os
 
     if n is not None:
         return max(1, n)
@@ -104,7 +109,7 @@ def plan_imatrix(
     steps = [s for s in model.calibration.steps(kvs) if s.writes or options.process_output]
     begun = Sums()
     for location in options.in_files:  # (added in the order given, as llama-imatrix loads them)
-        loaded = _read_in_file(location)
+        loaded = read_in_file(location)
         begun.add(loaded)
         begun.datasets += loaded.datasets
     from k3lab.formats.ggml import ggml
@@ -174,10 +179,10 @@ def compute_imatrix(
             proof = None  # (a step that sums nothing, the embedding's: no file)
             if got.sums.entries:
                 name = f"step-{k:03d}.gguf"
-                _write_entries(state.path(name), got.sums, text, body, n_chunks)
+                write_entries(state.path(name), got.sums, text, body, n_chunks)
                 proof = {
                     "file": name,
-                    "sha256": _file_sha(state.path(name)),
+                    "sha256": file_sha(state.path(name)),
                     "identity": state.identity(name),
                 }
             state.write_record(
@@ -208,9 +213,9 @@ def compute_imatrix(
             if reader is not None:
                 reader.close()
         datasets = [*begun.datasets, text.dataset]
-        _write_final(out, total, datasets, n_chunks, n_ctx, options.output_format, text, body)
+        write_final(out, total, datasets, n_chunks, n_ctx, options.output_format, text, body)
         if calib_set.is_folder(folder) and out.parent == folder.path and options.output_format == "gguf":
-            _record(folder, out)
+            record_beside(folder, out)
         state.clear(keep=("plan.json",))
     done = len(steps) - skipped
     return ImatrixResult(out, done, skipped, n_chunks, n_ctx, time.perf_counter() - t0, total.entries, text)
@@ -243,33 +248,6 @@ class LocalStage:
 
     def close(self) -> None:
         self.step_run.close()
-
-
-def _record(folder: OutputFolder, out: Path) -> None:
-    """The imatrix beside the set it was made from, recorded as one of the set's files (``imatrix``):
-    in its manifest, published and verified with it."""
-    from k3lab.formats import gguf_header
-    from k3lab.pipeline.state.record import TensorRecord
-
-    data = out.read_bytes()
-    header = gguf_header.parse(data)
-    tensors = [
-        TensorRecord(t.name, t.type, t.ne, t.nbytes, t.offset,
-                     hashlib.sha256(data[t.offset : t.offset + t.nbytes]).hexdigest())
-        for t in header.tensors
-    ]  # fmt: skip
-    folder.records.write_single(out, "imatrix", "imatrix", header.data_start, tensors)
-
-
-def _file_sha(path: Path) -> str:
-    from k3lab.formats.files import hash_span
-
-    fd, size = open_regular(path, "state file", follow=False)
-    try:
-        with os.fdopen(os.dup(fd), "rb") as fh:
-            return hash_span(fh, size)
-    finally:
-        os.close(fd)
 
 
 def _resume_point(
@@ -320,81 +298,6 @@ def _retire(state: CalibrationState, steps: list[CalibrationStep], upto: int) ->
         for name in step.writes:
             if latest[name] != k:
                 state.remove(f"{name}.{k:03d}.f32")
-
-
-def entries_from_file(path: Path | str) -> Sums:
-    """An imatrix file's entries as raw sums and counts (a GGUF's as they are; a legacy ``.dat``'s as
-    llama-imatrix's ``--in-file`` takes them back: times the chunk size)."""
-    from k3lab.formats.files import open_regular
-    from k3lab.pipeline.quantizing.imatrix_files import _pread
-
-    fd, size = open_regular(Path(path), "imatrix")
-    try:
-        read = _pread(fd, Path(path))
-        index = imatrix_format.read_index(read, size, str(path))
-        out = Sums()
-        for name, e in index.entries.items():
-            values = np.frombuffer(read(*e.sums), dtype="<f4").astype(np.float32).reshape(e.m, e.n)
-            if e.counts is not None:
-                counts = np.frombuffer(read(*e.counts), dtype="<f4").astype(np.float64)
-                counts = np.sign(counts) * np.floor(np.abs(counts) + 0.5)
-            else:  # legacy: (sum / count) * ncall per value; back by the chunk size, as llama-imatrix does
-                size_ = max(1, index.chunk_size or 1)
-                values, counts = values * np.float32(size_), np.full(1, e.ncall * size_, dtype=np.float64)
-            out.entries[name] = Entry(values, counts.astype(np.int64))
-        out.datasets, out.chunk_count = list(index.datasets), index.chunk_count
-        return out
-    finally:
-        import os
-
-        os.close(fd)
-
-
-def _read_in_file(location: str) -> Sums:
-    try:
-        return entries_from_file(location)
-    except OSError as e:
-        raise K3LabError(f"--in-file {location}: cannot be read ({e.strerror or e})") from None
-
-
-def _kvs(
-    datasets: list[str], chunk_count: int, chunk_size: int, text: CalibrationText, body: dict[str, Any]
-) -> list[Any]:
-    """llama-imatrix's keys, then k3lab's: where the text came from, its SHA-256, the set."""
-    from gguf import GGUFValueType
-
-    from k3lab.formats.gguf_stream import KV
-
-    return imatrix_format.gguf_kvs(
-        datasets, chunk_count, chunk_size,
-        [KV("k3lab.calibration.sha256", text.sha256, GGUFValueType.STRING),
-         KV("k3lab.calibration.source", text.source, GGUFValueType.STRING),
-         KV("k3lab.set", body["set"], GGUFValueType.STRING)],
-    )  # fmt: skip
-
-
-def _write_entries(
-    path: Path, sums: Sums, text: CalibrationText, body: dict[str, Any], n_chunks: int
-) -> None:
-    entries = {n: imatrix_format.Sums(e.values, e.counts.astype(np.float32)) for n, e in sums.entries.items()}
-    imatrix_format.write_gguf(path, entries, _kvs([text.dataset], n_chunks, body["chunk_size"], text, body))
-
-
-def _write_final(out: Path, total: Sums, datasets: list[str], n_chunks: int, n_ctx: int, fmt: str,
-                 text: CalibrationText, body: dict[str, Any]) -> None:  # fmt: skip
-    """The imatrix file: llama-imatrix's chunk count (its largest count, in chunks), its format."""
-    largest = max((int(e.counts.max()) for e in total.entries.values() if e.counts.size), default=0)
-    chunk_count = largest // n_ctx
-    entries = {
-        n: imatrix_format.Sums(e.values, e.counts.astype(np.float32)) for n, e in total.entries.items()
-    }
-    if fmt == "dat":
-        from k3lab.pipeline.state.codec import write_atomically
-
-        data = imatrix_format.legacy_bytes(entries, chunk_count, n_ctx, datasets[-1])
-        write_atomically(out, lambda fh: fh.write(data))
-        return
-    imatrix_format.write_gguf(out, entries, _kvs(datasets, chunk_count, n_ctx, text, body))
 
 
 def _say(line: str) -> None:

@@ -40,6 +40,14 @@ class IMatrixUse:
     commit: str = ""
     endpoint: str = ""
 
+    def made_from(self) -> str:
+        """A comment line on what k3lab made this imatrix from (its calibration text), when it did."""
+        sha, source = self.index.calibration
+        if not sha:
+            return ""
+        return (f"\n# the imatrix (SHA-256 {self.sha256}): k3lab imatrix on the calibration text "
+                f"{source or '(unnamed)'}, SHA-256 {sha}")  # fmt: skip
+
     def to_json(self) -> dict[str, Any]:
         ix = self.index
         return {

@@ -26,13 +26,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from k3lab.errors import K3LabError
-from k3lab.formats.ggml import TYPE_IDS
 from k3lab.formats.gguf_stream import KV, kvs_from_json, kvs_to_json, split_kvs
 from k3lab.pipeline.planning.plan import Plan
 from k3lab.pipeline.quantizing.imatrix_files import IMatrixUse
@@ -47,6 +45,7 @@ from k3lab.pipeline.quantizing.llama_types import (
 )
 from k3lab.pipeline.quantizing.metadata import lossless_kvs, variant_kvs
 from k3lab.pipeline.quantizing.recipes import command, recipe
+from k3lab.pipeline.quantizing.variant_notes import notes, tensor_bytes
 
 VARIANT_FORMAT = "k3lab-variant/1"  # raised whenever k3lab would write other bytes from the same inputs
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -160,16 +159,8 @@ class VariantPlan:
         return command(self.spec, first, out, self.imatrix.shown if self.imatrix else None, self.keep_split)
 
     def made_as(self) -> str:
-        """``command()`` for the manifest and the card, with what the imatrix was made from (when
-        k3lab made it: its calibration text) on a comment line after it."""
-        line = self.command()
-        if self.imatrix is not None and self.imatrix.index.calibration[0]:
-            sha, source = self.imatrix.index.calibration
-            line += (
-                f"\n# the imatrix (SHA-256 {self.imatrix.sha256}): k3lab imatrix on the calibration text "
-                f"{source or '(unnamed)'}, SHA-256 {sha}"
-            )
-        return line
+        """``command()`` for the manifest and the card, and what the imatrix was made from."""
+        return self.command() + (self.imatrix.made_from() if self.imatrix is not None else "")
 
     @property
     def digest(self) -> str:
@@ -273,13 +264,6 @@ def variant_filename(plan: Plan, label: str, number: int) -> str:
     return f"{stem}-{label}.gguf"
 
 
-def tensor_bytes(type_name: str, ne: tuple[int, ...]) -> int:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(TYPE_IDS[type_name])]
-    return math.prod(ne) // block * size
-
-
 def plan_variant(
     plan: Plan, kvs: list[KV], variant: Variant, ggml_version: str, forecast: bool = False
 ) -> VariantPlan:
@@ -381,32 +365,3 @@ def _check_imatrix(facts: list[TensorFact], chosen: dict[str, Choice], imatrix: 
                 f"{where}: entry {t.name} holds {e.n * e.m} values, the tensor needs {want} "
                 f"({t.ne[0]} columns x {want // t.ne[0]} experts): the imatrix of another model?"
             )
-
-
-def notes(plan: VariantPlan) -> list[str]:
-    """What a variant does that a user may not expect, one line each (said before any work): tensors
-    made larger than their lossless form and lossy (Kimi-K3's MXFP4 experts under a type of 4.5 bits
-    or more), an absolute imatrix path written into every file (a home folder, published), and
-    tensors quantised that are not experts although the type names them (MXFP4_MOE's rule takes every
-    3-D stack: attn_k_b, attn_v_b)."""
-    out = []
-    tensors = [t for f in plan.files for t in f.tensors]
-    larger = [t for t in tensors if t.quantized and t.nbytes > tensor_bytes(t.source_type, t.ne)]
-    if larger:
-        grow = sum(t.nbytes - tensor_bytes(t.source_type, t.ne) for t in larger)
-        kinds = sorted({f"{t.source_type}->{t.type}" for t in larger})
-        out.append(
-            f"{plan.label} makes {len(larger)} tensors larger than in the lossless set ({', '.join(kinds[:4])}"
-            f"{' ...' if len(kinds) > 4 else ''}: {grow:,} bytes more) and lossy"
-        )
-    if plan.imatrix is not None and plan.imatrix.shown.startswith("/"):
-        out.append(f"{plan.label}: quantize.imatrix.file records the path given, {plan.imatrix.shown[:127]!r}, in every "
-                   "file (as llama-quantize records it): give a relative path to keep your folders out of it")  # fmt: skip
-    if plan.spec.ftype == "MXFP4_MOE":
-        stacks = sorted({t.name.split(".", 2)[-1] for t in tensors
-                         if t.type == "MXFP4" and t.source_type != "MXFP4" and "_exps" not in t.name})  # fmt: skip
-        if stacks:
-            out.append(
-                f"MXFP4_MOE also makes these 3-D tensors MXFP4, not only the experts: {', '.join(stacks)}"
-            )
-    return out
