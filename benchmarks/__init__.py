@@ -42,6 +42,10 @@ straightforward implementation), because these machines are shared and noisy. Ro
               `k3lab quantize` and llama.cpp's own `llama-quantize`, whole set, same cores, paired: to
               Q2_K and to IQ2_XXS with an imatrix (bytes equal); then the whole model per variant
               (its size from the plan of the real headers, its time from each type's speed here)
+  imatrix     a real-width MoE layer set's importance matrix by `k3lab imatrix` and llama.cpp's own
+              `llama-imatrix`, same text and cores, paired at 12 chunks of 64 and 8 of 512 (every
+              entry the same bits); then the real model's forecast: time per layer per 100 chunks,
+              the whole model, memory per task (the graph built at the real shapes), state between layers
   tokenizer   GGUF vocabulary of the real size (163,840 ids) vs the straightforward per-token BPE
               reconstruction (as upstream does it) on the same vocabulary; the merges must agree
 """

@@ -14,6 +14,7 @@ from benchmarks import (  # noqa: E402,F401 (each registers its row)
     cluster,
     dense,
     fullscale,
+    imatrix,
     layer,
     layouts,
     notebooks,
