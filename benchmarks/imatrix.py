@@ -111,7 +111,7 @@ def _graph_bytes(
             inputs = {n: g.input(np.zeros((512, width), np.float32)) for n in step.reads}  # type: ignore[attr-defined]
             slices = [(a, b) for a, b, _ in ubatches(0, 100, 512)]
             CALIBRATION.build(kvs, step, g, shapes, inputs, slices)  # type: ignore[arg-type]
-            held = 4 * sum(int(lib().base.ggml_nbytes(x.ptr)) for _, x, _ in g.products)
+            held = 4 * sum(int(lib().base.ggml_nbytes(p.x.ptr)) for p in g.products)
             staging = max((lib().base.ggml_nbytes(t.ptr) for n, t in shapes.t.items()
                            if repacked(TYPE_IDS[weights[n][0]], weights[n][1])), default=0)  # fmt: skip
             return g.needed, held, int(staging)

@@ -204,6 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     im.add_argument("--parse-special", action="store_true", help="special tokens in the text are tokens")
     im.add_argument(
+        "--until-covered",
+        action="store_true",
+        help="more chunks (--chunks, then twice as many ...) until "
+        "every expert is reached or the text ends: the fewest that cover them",
+    )
+    im.add_argument(
         "--show-statistics",
         action="store_true",
         help="llama-imatrix's: the figures of the one --in-file "

@@ -38,10 +38,15 @@ def compute(req: Any, args: Any, say: Say | None = None) -> Any:
             if req.revision:
                 raise K3LabError(f"--revision is for a set on the Hub; {req.out_dir} is a folder")
             folder = OutputFolder(req.out_dir)
-            return compute_imatrix(model, sets.local_set(model, folder), folder, opts, say, stages)
+            calib_set = sets.local_set(model, folder)
+            if getattr(args, "until_covered", False):
+                return _until_covered(model, calib_set, folder, opts, say, stages)
+            return compute_imatrix(model, calib_set, folder, opts, say, stages)
         if not opts.out:
             raise K3LabError(f"imatrix {req.out_dir}: give --out FILE (its folder keeps the run's state)")
         folder = OutputFolder(Path(opts.out).parent)
+        if getattr(args, "until_covered", False):
+            raise K3LabError("--until-covered: on a set in a folder (a set on the Hub: give --chunks)")
         with _nothing_left_unless_begun(folder) as vocab:
             from k3lab.pipeline.hub.env import hub_env
 
@@ -53,6 +58,32 @@ def compute(req: Any, args: Any, say: Say | None = None) -> Any:
     finally:
         if stages is not None:
             stages.client.close()  # type: ignore[attr-defined]
+
+
+def _until_covered(model: Any, calib_set: Any, folder: Any, opts: Any, say: Say | None, stages: Any) -> Any:
+    """``--until-covered``: the imatrix of ``--chunks`` chunks (8 by default), then of twice as many,
+    and so on, until every expert of every stack is reached or the text has no more chunks: the
+    imatrix of the fewest chunks (doubling) that cover them, exactly llama-imatrix's of that many."""
+    import dataclasses
+
+    from k3lab.pipeline.calibrating.coverage import coverage
+    from k3lab.pipeline.calibrating.run import compute_imatrix
+
+    chunks = opts.chunks or 8
+    while True:
+        result = compute_imatrix(
+            model, calib_set, folder, dataclasses.replace(opts, chunks=chunks), say, stages
+        )
+        got, total = coverage(result.entries).reached()
+        if got == total or result.chunks < chunks:  # (covered, or the text has no more)
+            if got < total and say is not None:
+                say(
+                    f"imatrix: the text ends at {result.chunks} chunks with {total - got} of {total} experts never reached"
+                )
+            return result
+        if say is not None:
+            say(f"imatrix: {chunks} chunks reach {got} of {total} experts: {2 * chunks} next")
+        chunks *= 2
 
 
 @contextlib.contextmanager

@@ -265,6 +265,17 @@ class Tensor:
         return np.array(view, dtype=dtype).reshape(tuple(reversed(ne[:dims])))
 
 
+@dataclass(frozen=True)
+class Product:
+    """A matrix product a graph made: the weight, its input, the expert ids (``mul_mat_id``), and the
+    caller's mark of a product made a part at a time (see ``Graph.mul_mat``)."""
+
+    weight: Tensor
+    x: Tensor
+    ids: Tensor | None = None
+    part: int | None = None
+
+
 class Graph:
     """One computation: a context of ``size`` bytes for its inputs and intermediates, its operations
     built with the methods below (each returns the new ``Tensor``), ``compute`` on ``threads`` (the
@@ -287,7 +298,7 @@ class Graph:
         self.needed = 0  # bytes of the tensors made so far (views counted too: an upper bound)
         # every matrix product made, as (weight, input, expert ids or None): what llama-imatrix's
         # callback is asked about; their inputs can be read once the graph has run
-        self.products: list[tuple[Tensor, Tensor, Tensor | None]] = []
+        self.products: list[Product] = []
 
     def __enter__(self) -> Graph:
         return self
@@ -331,12 +342,14 @@ class Graph:
             raise AttributeError(name)
         return lambda *args: self._op(f"ggml_{name}", *args)
 
-    def mul_mat(self, a: Tensor, b: Tensor) -> Tensor:
-        self.products.append((a, b, None))
+    def mul_mat(self, a: Tensor, b: Tensor, part: int | None = None) -> Tensor:
+        """``ggml_mul_mat(a, b)``; ``part``: the caller's mark for a product made a part at a time
+        (a slice of the rows a runtime would multiply per sequence), kept with the product."""
+        self.products.append(Product(a, b, None, part))
         return self._op("ggml_mul_mat", a, b)
 
     def mul_mat_id(self, a: Tensor, b: Tensor, ids: Tensor) -> Tensor:
-        self.products.append((a, b, ids))
+        self.products.append(Product(a, b, ids, None))
         return self._op("ggml_mul_mat_id", a, b, ids)
 
     def set_n_kv_max(self, t: Tensor, n: int) -> None:

@@ -105,8 +105,8 @@ class LayerGraph:
         self.hp, self.g, self.w = hp, g, w
         self.slices = slices or []  # the chunk's tokens as llama.cpp's ubatches hold them
 
-    def mm(self, name: str, x: Tensor) -> Tensor:
-        return self.g.mul_mat(self.w.tensor(name), x)
+    def mm(self, name: str, x: Tensor, part: int | None = None) -> Tensor:
+        return self.g.mul_mat(self.w.tensor(name), x, part)
 
     def mm_id(self, name: str, x: Tensor, ids: Tensor) -> Tensor:
         return self.g.mul_mat_id(self.w.tensor(name), x, ids)
@@ -266,7 +266,7 @@ class LayerGraph:
         llama.cpp gives them."""
         g = self.g
         outs = []
-        for a, b in self.slices:
+        for i, (a, b) in enumerate(self.slices):
             q = g.view_3d(Q, Q.ne[0], Q.ne[1], b - a, Q.nb[1], Q.nb[2], a * Q.nb[2])
             k = g.view_4d(cache, cache.ne[0], cache.ne[1], b, 1, cache.nb[1], cache.nb[2], cache.nb[2] * b, 0)
             v = g.view_4d(cache, dv, k.ne[1], k.ne[2], k.ne[3], k.nb[1], k.nb[2], k.nb[3], 0)
@@ -278,7 +278,7 @@ class LayerGraph:
             g.set_n_kv_max(cur, 0)
             g.set_prec_f32(cur)
             cur = g.permute(cur, 0, 2, 1, 3)
-            cur = self.mm(v_mla, cur)
+            cur = self.mm(v_mla, cur, part=i)  # (llama.cpp multiplies it per sequence: a chunk's slice)
             cur = g.cont(g.permute(cur, 0, 2, 1, 3))
             outs.append(g.reshape_2d(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3]))
         out = outs[0]

@@ -41,7 +41,7 @@ def _judge(first: Path, tmp: Path, *flags: str, name: str = "ref.gguf") -> Path:
     shutil.copy(TEXT, tmp / "calib.txt")
     cmd = [str(llama_imatrix()), "-m", str(first), "-f", "calib.txt", "-o", name, "-t", "2", *flags]
     done = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, errors="replace", timeout=900)
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.returncode == 0, (flags, done.stderr[-2000:])
     return tmp / name
 
 
@@ -280,6 +280,8 @@ BAD = {
     "text that is not UTF-8": (b"caf\xe9 \xff\xfe", [], "not UTF-8 text"),
     "a text shorter than two chunks": (b"one short sentence.\n", [], "fewer than two chunks of 512"),
     "chunks larger than the context": (None, ["-c", "5000"], "chunks of 1 to 4096 tokens"),
+    # (llama-imatrix refuses it too: "n_seq_max must be <= 256")
+    "chunks so small that llama.cpp refuses the batch": (None, ["-c", "7"], "llama.cpp takes at most 256"),
 }
 
 
@@ -428,3 +430,69 @@ def test_show_statistics_prints_llama_imatrixs_figures(name: str, tiny_one: Path
     for stack, experts in list(cov.unreached.items())[:20]:  # (the first 20 stacks named, then a count)
         assert any(line.startswith(f"  {stack}: experts {experts[0]}") for line in out), stack
     assert "importance 1.0" in out[-1]
+
+
+@pytest.fixture(scope="module")
+def moonshot_set(tmp_path_factory: pytest.TempPathFactory, tiny_src: Path) -> Path:
+    """A set converted from a checkpoint Moonshot's own classes made (llmcompressor's wheel), MXFP4
+    experts, drawn as transformers initialises: its router spreads tokens over the experts, where
+    synth's trained-looking router favours a few."""
+    moonshot = pytest.importorskip("moonshot")
+    moonshot_text = pytest.importorskip("moonshot_text")
+    from k3lab.kimi_k3.synth.presets import tiny_config
+
+    raw = tiny_config()
+    net = moonshot.build(raw, seed=5, dtype="bfloat16", init="transformers")
+    src = tmp_path_factory.mktemp("moonshot-drawn") / "src"
+    moonshot_text.save_mxfp4(
+        net, src, moonshot_text.mxfp4_experts(net, raw["text_config"]["quantization_config"])
+    )
+    for name in ("tiktoken.model", "tokenizer_config.json"):
+        shutil.copy(tiny_src / name, src / name)
+    out = src.parent / "out"
+    assert main(["convert", "--meta", str(src), "--out-dir", str(out), "--quiet"]) == 0
+    return out
+
+
+def test_a_checkpoint_drawn_by_moonshots_classes_and_until_covered(
+    moonshot_set: Path, tmp_path: Path
+) -> None:
+    """On a set drawn another way, llama-imatrix's bits too; --until-covered doubles the chunks until
+    every expert is reached, and gives llama-imatrix's file of that many chunks."""
+    set_dir = tmp_path / "set"
+    shutil.copytree(moonshot_set, set_dir)
+    flags = ("-c", "64", "--chunks", "6")
+    _same(_ours(set_dir, tmp_path, *flags), _judge(_first(set_dir), tmp_path, *flags))
+    from k3lab.imatrix import statistics
+
+    shutil.copy(TEXT, tmp_path / "calib.txt")
+    few = ["imatrix", str(set_dir), "--calibration", str(tmp_path / "calib.txt"), "-c", "8", "--quiet"]
+    assert main([*few, "--chunks", "1", "--out", str(tmp_path / "one.gguf")]) == 0
+    got, total = statistics(tmp_path / "one.gguf").coverage.reached()
+    assert got < total  # (one chunk of 8 tokens cannot reach them all)
+    assert main([*few, "--chunks", "1", "--until-covered", "--out", str(tmp_path / "covered.gguf")]) == 0
+    covered = statistics(tmp_path / "covered.gguf")
+    assert covered.coverage.reached() == (total, total)
+    _, keys = _entries(tmp_path / "covered.gguf")
+    n = keys["imatrix.chunk_count"]
+    assert n & (n - 1) == 0 and n > 1  # (a power of two: 1, 2, 4 ... chunks tried)
+    _same(
+        tmp_path / "covered.gguf",
+        _judge(_first(set_dir), tmp_path, "-c", "8", "--chunks", str(n), name="c.gguf"),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["testmodel", "layer"])
+def test_the_040b_shape_and_a_real_width_layer_set_are_llama_imatrixs(
+    preset: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The published 0.40B's shape (F32, one file) and a MoE layer at Kimi-K3's expert widths (MXFP4,
+    16 experts, top-8): every entry llama-imatrix's, bit for bit, chunks of 512 and --process-output."""
+    src = tmp_path_factory.mktemp(f"{preset}-src")
+    synthesize(preset, src)
+    out = tmp_path_factory.mktemp(f"{preset}-set")
+    assert main(["convert", "--meta", str(src), "--out-dir", str(out), "--quiet"]) == 0
+    tmp = tmp_path_factory.mktemp(f"{preset}-run")
+    flags = ("-c", "512", "--chunks", "4", "--process-output")
+    _same(_ours(out, tmp, *flags), _judge(_first(out), tmp, *flags))

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from k3lab.errors import K3LabError
+from k3lab.pipeline.calibrating.batches import BATCH
 from k3lab.pipeline.calibrating.output import (
     entries_from_file,
     file_sha,
@@ -50,6 +51,7 @@ from k3lab.pipeline.state.calibration import CalibrationState
 
 PLAN_FORMAT = "k3lab-imatrix-plan/2"  # raised whenever the same inputs would give other sums
 MIN_CHUNK, DEFAULT_CHUNK = 1, 512
+MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: the sequences a context holds
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,12 @@ def plan_imatrix(
     if not MIN_CHUNK <= options.chunk_size or (isinstance(context, int) and options.chunk_size > context):
         raise K3LabError(
             f"--chunk-size {options.chunk_size}: chunks of 1 to {context} tokens (the model's context)"
+        )
+    if BATCH // options.chunk_size > MAX_SEQ:
+        raise K3LabError(
+            f"--chunk-size {options.chunk_size}: llama-imatrix runs {BATCH // options.chunk_size} chunks side by "
+            f"side in its batch of {BATCH}, and llama.cpp takes at most {MAX_SEQ} (it refuses to start): at least "
+            f"{-(-BATCH // MAX_SEQ)} tokens"
         )
     if options.chunks is not None and options.chunks < 1:
         raise K3LabError(f"--chunks {options.chunks}: at least one chunk")

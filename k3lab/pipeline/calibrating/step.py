@@ -73,20 +73,15 @@ class StepRun:
             outs = build(g)
             g.expand(*outs.values())
             g.compute()
-            by_slice: dict[str, int] = {}  # (a product made a slice at a time: which slice is next)
-            for weight, x, ids in g.products:
-                name = w.name_of(weight)
+            for p in g.products:
+                name = w.name_of(p.weight)
                 if name is None:
                     continue
-                if ids is not None:
-                    self.heard.experts(name, x.read(3), ids.read(2), w.infos[name].ne[2])
+                if p.ids is not None:
+                    self.heard.experts(name, p.x.read(3), p.ids.read(2), w.infos[name].ne[2])
                     continue
-                value = x.read(3 if len(w.infos[name].ne) > 2 else 2)
-                if value.shape[-2] != self.n_ctx:  # (made per stream: its rows are this chunk's slice alone)
-                    i = by_slice[name] = by_slice.get(name, -1) + 1
-                    self.heard.dense(name, value, i % len(cuts))
-                else:
-                    self.heard.dense(name, value)
+                value = p.x.read(3 if len(w.infos[name].ne) > 2 else 2)
+                self.heard.dense(name, value, p.part)  # (a part: the rows of one slice, per sequence)
             return {
                 name: state[name] if name in state and name not in outs else outs[name].read(2)
                 for name in self.step.writes
