@@ -83,19 +83,22 @@ def bench_imatrix() -> list[tuple[str, str, str]]:
 def _graph_bytes(
     kvs: dict, step: object, weights: dict[str, tuple[str, tuple[int, ...]]]
 ) -> tuple[int, int, int]:
-    """A chunk of 512's graph at the real shapes, built without memory (ggml's measure): (its tensors'
-    bytes, the inputs of its products over a batch of 4 chunks, the largest weight ggml repacks)."""
+    """A chunk of 512's graph at the real shapes, built without memory: (what ggml's allocator takes
+    for it, the inputs of its products over a batch of 4 chunks, the largest weight ggml repacks)."""
     import numpy as np
 
     from k3lab.formats.ggml import TYPE_IDS
-    from k3lab.formats.ggml_compute import Graph, Tensor, _Context, lib
+    from k3lab.formats.ggml_compute import Graph, Tensor, _Context, lib, row_size
     from k3lab.formats.ggml_weights import repacked
     from k3lab.kimi_k3.calibration import CALIBRATION
     from k3lab.pipeline.calibrating.batches import ubatches
 
     class Shapes:
         def __init__(self) -> None:
-            self.ctx = _Context(0, len(weights), no_alloc=True)
+            # (memory asked for, never touched: the system gives address space, not pages; the weights
+            # then have an address, so ggml's allocator leaves them out as it leaves out real ones)
+            size = sum(row_size(TYPE_IDS[ty], ne[0]) * math.prod(ne[1:]) + 64 for ty, ne in weights.values())
+            self.ctx = _Context(size, len(weights))
             self.t = {n: Tensor(self.ctx.new(TYPE_IDS[ty], ne)) for n, (ty, ne) in weights.items()}
 
         def tensor(self, name: str) -> Tensor:
@@ -114,7 +117,7 @@ def _graph_bytes(
             held = 4 * sum(int(lib().base.ggml_nbytes(p.x.ptr)) for p in g.products)
             staging = max((lib().base.ggml_nbytes(t.ptr) for n, t in shapes.t.items()
                            if repacked(TYPE_IDS[weights[n][0]], weights[n][1])), default=0)  # fmt: skip
-            return g.needed, held, int(staging)
+            return g.reserve(), held, int(staging)
     finally:
         shapes.ctx.close()
 

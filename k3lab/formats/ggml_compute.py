@@ -110,6 +110,15 @@ _BASE = {
     "ggml_backend_tensor_set": ([_P, _P, _SZ, _SZ], None),
     "ggml_backend_buffer_free": ([_P], None),
     "ggml_log_get": ([_P, _P], None),
+    # ggml's graph allocator: a graph's intermediates in one buffer, reused as they die
+    "ggml_backend_cpu_buffer_type": ([], _P),
+    "ggml_gallocr_new": ([_P], _P),
+    "ggml_gallocr_free": ([_P], None),
+    "ggml_gallocr_alloc_graph": ([_P, _P], ctypes.c_bool),
+    "ggml_gallocr_reserve": ([_P, _P], ctypes.c_bool),
+    "ggml_gallocr_get_buffer_size": ([_P, ctypes.c_int], _SZ),
+    "ggml_set_input": ([_P], None),
+    "ggml_set_output": ([_P], None),
     "ggml_log_set": ([_P, _P], None),
 }
 
@@ -172,8 +181,7 @@ class _Context:
         mem = size + (n_tensors + 16) * L.base.ggml_tensor_overhead() + (1 << 20)
         if graph_nodes:
             mem += L.base.ggml_graph_overhead_custom(graph_nodes, False)
-        where = arena.memory(mem) if arena is not None and not no_alloc else None
-        self.ptr = L.base.ggml_init(_InitParams(mem, where, no_alloc))
+        self.ptr = L.base.ggml_init(_InitParams(mem, None, no_alloc))
         if not self.ptr:
             raise GGMLError(f"ggml could not make a context of {mem:,} bytes (out of memory?)")
 
@@ -191,29 +199,38 @@ class _Context:
 
 
 class Arena:
-    """Memory a run of graphs reuses (their tensors', ggml's work buffer): allocated once, grown
-    when a graph needs more, so that a graph computed chunk after chunk does not ask the system
-    for (and touch, page by page) gigabytes each time. One graph at a time uses it."""
+    """Memory a run of graphs reuses: ggml's graph allocator (its buffer kept and grown when a graph
+    needs more) and ggml's work buffer, so that a graph computed chunk after chunk neither asks the
+    system for fresh memory nor touches it page by page each time. One graph at a time uses it;
+    ``close`` frees it."""
 
     ALIGN = 64
 
     def __init__(self) -> None:
-        self._spaces: dict[str, np.ndarray] = {}
+        self._work: np.ndarray | None = None
+        self._galloc = None
 
-    def _space(self, kind: str, n: int) -> int:
-        have = self._spaces.get(kind)
-        if have is None or have.size < n + self.ALIGN:
-            self._spaces[kind] = have = np.empty(n + self.ALIGN, dtype=np.uint8)
-        address = have.ctypes.data
-        return address + -address % self.ALIGN
-
-    def memory(self, n: int) -> int:
-        """The address of ``n`` bytes for a graph's context (aligned as ggml asks)."""
-        return self._space("memory", n)
+    def allocator(self) -> int:
+        """ggml's graph allocator on the CPU's buffer type (made once)."""
+        if self._galloc is None:
+            L = lib().base
+            self._galloc = L.ggml_gallocr_new(L.ggml_backend_cpu_buffer_type())
+            if not self._galloc:
+                raise GGMLError("ggml could not make a graph allocator")
+        return self._galloc
 
     def work(self, n: int) -> int:
         """The address of ``n`` bytes for ggml's work buffer."""
-        return self._space("work", n)
+        if self._work is None or self._work.size < n + self.ALIGN:
+            self._work = np.empty(n + self.ALIGN, dtype=np.uint8)
+        address = self._work.ctypes.data
+        return address + -address % self.ALIGN
+
+    def close(self) -> None:
+        if self._galloc is not None:
+            lib().base.ggml_gallocr_free(self._galloc)
+            self._galloc = None
+        self._work = None
 
 
 def _memory(ptr: int) -> np.ndarray:
@@ -277,34 +294,44 @@ class Product:
 
 
 class Graph:
-    """One computation: a context of ``size`` bytes for its inputs and intermediates, its operations
-    built with the methods below (each returns the new ``Tensor``), ``compute`` on ``threads`` (the
-    work buffer ggml's plan asks for is the graph's own). ``measure=True``: nothing allocated, only
-    ``needed`` counted (build the same graph twice: measured, then for real). Use as a context
-    manager: its memory goes on exit (``arena``: memory it borrows instead, reused by the next)."""
+    """One computation: its operations built with the methods below (each returns the new
+    ``Tensor``) in a context that holds their descriptions only; ``compute`` places its inputs and
+    intermediates with ggml's graph allocator (memory reused as tensors die, as llama.cpp's scheduler
+    does; the tensors read afterwards, the products' inputs and what ``expand`` names, kept whole)
+    and runs it on ``threads`` (the allocator and the work buffer: the ``arena``'s, reused by the next
+    graph, or the graph's own). ``measure=True``: nothing computed; ``needed`` counts its tensors'
+    bytes (an upper bound) and ``reserve()`` says what the allocator would take. Use as a context
+    manager: its memory goes on exit."""
 
     MAX_NODES = 8192
     ALIGN = 16  # GGML_MEM_ALIGN: each tensor's memory is padded to it
+    VIEWS = frozenset(f"ggml_{n}" for n in ("view_2d", "view_3d", "view_4d", "permute", "transpose",
+                                            "reshape_2d", "reshape_3d", "reshape_4d"))  # fmt: skip
 
     def __init__(self, size: int = 0, threads: int = 1, measure: bool = False, arena: Arena | None = None):
+        del size  # (the allocator sizes the graph's memory)
         self.measure = measure
-        self._arena = arena
-        self._ctx = _Context(
-            0 if measure else size, self.MAX_NODES, self.MAX_NODES, no_alloc=measure, arena=arena
-        )
+        self._arena = arena if arena is not None else Arena()
+        self._own_arena = arena is None
+        self._ctx = _Context(0, self.MAX_NODES, self.MAX_NODES, no_alloc=True)
         self.threads = max(1, threads)
         self._L = lib().base
         self._graph = self._L.ggml_new_graph_custom(self._ctx.ptr, self.MAX_NODES, False)
         self.needed = 0  # bytes of the tensors made so far (views counted too: an upper bound)
-        # every matrix product made, as (weight, input, expert ids or None): what llama-imatrix's
-        # callback is asked about; their inputs can be read once the graph has run
+        # every matrix product made: what llama-imatrix's callback is asked about; their inputs can
+        # be read once the graph has run
         self.products: list[Product] = []
+        self._fills: list[tuple[int, np.ndarray | None]] = []  # inputs: their values once placed
+        self._view_of: dict[int, int] = {}  # a view -> the tensor it looks into
+        self._kept: list[int] = []  # what is read after the graph ran
 
     def __enter__(self) -> Graph:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._ctx.close()
+        if self._own_arena:
+            self._arena.close()
 
     # --- inputs ---
     def input(self, array: np.ndarray, type_id: int = F32) -> Tensor:
@@ -312,16 +339,16 @@ class Graph:
         dtype = _NUMPY[type_id]
         a = np.ascontiguousarray(array, dtype=dtype)
         t = self._ctx.new(type_id, tuple(reversed(a.shape)) or (1,))
+        self._L.ggml_set_input(t)
         self._count(t)
-        if not self.measure:
-            _memory(t)[:] = a.reshape(-1).view(np.uint8)
+        self._fills.append((t, None if self.measure else a))
         return Tensor(t)
 
     def zeros(self, ne: tuple[int, ...], type_id: int = F32) -> Tensor:
         t = self._ctx.new(type_id, ne)
+        self._L.ggml_set_input(t)
         self._count(t)
-        if not self.measure:
-            _memory(t)[:] = 0
+        self._fills.append((t, None))
         return Tensor(t)
 
     def _count(self, ptr: int) -> None:
@@ -334,8 +361,17 @@ class Graph:
         ptr = call(self._ctx.ptr, *(a.ptr if isinstance(a, Tensor) else a for a in args))
         if not ptr:
             raise GGMLError(f"{name}: ggml made no tensor")
+        if name in self.VIEWS and isinstance(args[0], Tensor):
+            self._view_of[ptr] = args[0].ptr
         self._count(ptr)
         return Tensor(ptr)
+
+    def _keep(self, t: Tensor | None) -> None:
+        """``t`` (and what it is a view of) kept whole until the graph is gone: never reused."""
+        ptr = t.ptr if t is not None else None
+        while ptr is not None:
+            self._L.ggml_set_output(ptr)
+            ptr = self._view_of.get(ptr)
 
     def __getattr__(self, name: str) -> Callable[..., Tensor]:
         if f"ggml_{name}" not in _BASE or name in ("init", "free", "new_tensor", "get_data", "nbytes"):
@@ -360,20 +396,44 @@ class Graph:
 
     # --- running ---
     def expand(self, *tensors: Tensor) -> None:
-        """Add these (and what they depend on) to the graph, in the order given."""
+        """Add these (and what they depend on) to the graph, in the order given; each is kept, to be
+        read once the graph ran."""
         for t in tensors:
+            self._keep(t)
             self._L.ggml_build_forward_expand(self._graph, t.ptr)
 
+    def _place(self, reserve: bool = False) -> int:
+        for p in self.products:  # (their inputs are read once the graph ran)
+            self._keep(p.x)
+            self._keep(p.ids)
+        galloc = self._arena.allocator()
+        ok = (self._L.ggml_gallocr_reserve if reserve else self._L.ggml_gallocr_alloc_graph)(
+            galloc, self._graph
+        )
+        if not ok:
+            raise GGMLError("ggml could not place the graph's tensors (out of memory?)")
+        return int(self._L.ggml_gallocr_get_buffer_size(galloc, 0))
+
+    def reserve(self) -> int:
+        """The bytes ggml's allocator takes for this graph (built, not computed)."""
+        return self._place(reserve=True)
+
     def compute(self) -> None:
-        """Run the graph: ggml's plan, a work buffer of the size it asks, its threads."""
+        """Place the graph's tensors, fill its inputs, run it: ggml's plan, a work buffer of the size
+        it asks, its threads."""
         if self.measure:
             raise GGMLError("a measured graph is not computed")
+        self._place()
+        for t, value in self._fills:
+            if not self._L.ggml_get_data(t):  # (an input no operation reads: never placed)
+                continue
+            memory = _memory(t)
+            if value is None:
+                memory[:] = 0
+            else:
+                memory[:] = value.reshape(-1).view(np.uint8)
         cpu = lib().cpu
         plan = cpu.ggml_graph_plan(self._graph, self.threads, None)
-        if self._arena is not None:
-            plan.work_data = self._arena.work(max(1, plan.work_size))
-        else:
-            work = np.empty(max(1, plan.work_size), dtype=np.uint8)
-            plan.work_data = work.ctypes.data
+        plan.work_data = self._arena.work(max(1, plan.work_size))
         if cpu.ggml_graph_compute(self._graph, ctypes.byref(plan)) != 0:
             raise GGMLError("ggml's computation failed")

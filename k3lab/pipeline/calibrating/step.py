@@ -1,6 +1,6 @@
 """One step of the imatrix (the embedding, a layer, the head) held for every chunk: its weights read
 once (every byte checked) into ggml's memory as llama.cpp holds them, then, chunk after chunk, its
-graph built by the model (``Calibration.build``: measured, then for real, in memory reused) and
+graph built by the model (``Calibration.build``), its memory placed by ggml's allocator and reused and
 computed by ggml; every product's input handed to the step's ``Sums`` in llama-imatrix's order
 (``batches``); the arrays the step writes returned for the next. The same object runs in this
 process or, on Dask, in a worker (``pipeline``)."""
@@ -66,10 +66,7 @@ class StepRun:
             inputs = {k: g.input(v) for k, v in state.items()}
             return calibration.build(self.kvs, self.step, g, w, inputs, slices)
 
-        with Graph(measure=True) as m:
-            build(m)
-            needed = m.needed
-        with Graph(needed + (4 << 20), self.threads, arena=self.arena) as g:
+        with Graph(threads=self.threads, arena=self.arena) as g:
             outs = build(g)
             g.expand(*outs.values())
             g.compute()
@@ -93,6 +90,7 @@ class StepRun:
         return self.sums
 
     def close(self) -> None:
+        self.arena.close()
         if self.weights is not None:
             self.weights.close()
             self.weights = None
