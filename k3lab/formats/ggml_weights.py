@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from k3lab.formats.ggml import TYPE_IDS, GGMLError
-from k3lab.formats.ggml_compute import _SILENT, Tensor, _Context, _memory, lib, row_size
+from k3lab.formats.ggml_compute import Tensor, _Context, _memory
+from k3lab.formats.ggml_lib import _SILENT, lib, row_size
 
 
 @dataclass(frozen=True)
