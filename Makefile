@@ -27,10 +27,18 @@ STAMPS := $(if $(VENV),$(VENV),$(VIRTUAL_ENV))
 $(STAMPS)/.k3lab-installed: pyproject.toml | venv
 	$(PY) -m pip install -e . && touch $@
 
-$(STAMPS)/.k3lab-installed-test: pyproject.toml | venv
-	$(PY) -m pip install -e '.[test,llama]' && touch $@ $(STAMPS)/.k3lab-installed
+# the demo's llama.cpp (k3lab's quantiser and imatrix kernels, the chat): llama-cpp-python compiles it,
+# once; where it cannot (no compiler), the demo runs without those steps and says so
+$(STAMPS)/.k3lab-installed-demo: $(STAMPS)/.k3lab-installed
+	@echo "k3lab: building llama.cpp through llama-cpp-python (about 10 minutes on 2 cores, once)"
+	@$(PY) -m pip install -v -e '.[llama]' 2>&1 | $(PY) .ci/build-progress \
+	  || echo "k3lab: llama.cpp could not be built here (a C and C++ compiler?): the demo runs without its variant and chat"
+	@touch $@
 
-demo: $(STAMPS)/.k3lab-installed
+$(STAMPS)/.k3lab-installed-test: pyproject.toml | venv
+	$(PY) -m pip install -e '.[test,llama]' && touch $@ $(STAMPS)/.k3lab-installed $(STAMPS)/.k3lab-installed-demo
+
+demo: $(STAMPS)/.k3lab-installed-demo
 	k3lab demo
 
 test: $(STAMPS)/.k3lab-installed-test

@@ -1,12 +1,14 @@
 """`k3lab demo`: the main job, end to end, on the built-in tiny synthetic model.
 
-Synthesise the checkpoint, convert every text shard (in parallel), write the standalone
-tokenizer GGUF and the vision mmproj, merge the manifest, verify every byte, and where
-llama.cpp is installed, chat with the set through its own chat template.
+Synthesise the checkpoint, convert it, write the standalone tokenizer GGUF and the vision mmproj,
+merge the manifest, verify every byte; and where llama.cpp is installed, compute the set's importance
+matrix a layer at a time, make the IQ2_XXS variant with it and check it, and chat with the set
+through its own chat template.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import time
 from pathlib import Path
@@ -91,13 +93,19 @@ def run_demo(workdir: str | Path, seed: int = 0, jobs: int = 2, model: str = "ki
         print("  ", line)
 
     first = out / files[0].filename
-    if importlib.util.find_spec("llama_cpp") is not None:
+    llama = importlib.util.find_spec("llama_cpp") is not None
+    variant_ok = True
+    if llama:
+        variant_ok = _variant(req, out, step)
         t = time.perf_counter()
         said, reply = _chat(first)
         step("chat", t, "llama.cpp, through the set's own chat template (random weights: random words)")
         print(f"  user: {said}\n  assistant: {reply!r}")
     else:
-        print("chat: llama-cpp-python not installed, the chat turn skipped (`make test` installs it)")
+        print(
+            "imatrix, variant, chat: llama-cpp-python is not installed (llama.cpp's kernels and runtime: "
+            "`make demo` builds it where a C and C++ compiler is), those steps skipped"
+        )
 
     print(f"\n{'step':<12} {'seconds':>8}  result")
     for label, seconds, note in steps:
@@ -109,7 +117,39 @@ def run_demo(workdir: str | Path, seed: int = 0, jobs: int = 2, model: str = "ki
     else:
         print(f"  next: k3lab verify {out} --src {src}   (every tensor made again from the source)")
     print("        make lab   (or: k3lab lab; the notebooks read this demo's files)")
-    return 0 if report.ok and (seen is None or seen.ok) else 1
+    return 0 if report.ok and variant_ok and (seen is None or seen.ok) else 1
+
+
+VARIANT = "IQ2_XXS"  # a size people run of Kimi-K3 (2.06 bits a weight), one that needs an imatrix
+
+
+def _variant(req: Request, out: Path, step: Any) -> bool:
+    """The sizes people run: the set's importance matrix (k3lab's own calibration text, a layer at a
+    time), a variant made with it (byte for byte llama-quantize's), its every byte checked."""
+    from types import SimpleNamespace
+
+    from k3lab import imatrix
+    from k3lab.variants import VariantRequest, quantize
+
+    t = time.perf_counter()
+    args = SimpleNamespace(calibration=None, chunk_size=128, chunks=8, out=None, process_output=False,
+                           in_file=None, output_format="gguf", parse_special=False, threads=None)  # fmt: skip
+    made = imatrix.compute(req, args)
+    got, total = imatrix.statistics(made.path).coverage.reached()
+    step("imatrix", t, f"{made.path.name}: {made.chunks} chunks of {made.chunk_size} tokens of k3lab's own text, "
+         f"a layer at a time ({got} of {total} experts reached)")  # fmt: skip
+    t = time.perf_counter()
+    results = quantize(req, VariantRequest(variants=VARIANT, imatrix=str(made.path)))
+    size = sum(v.nbytes for r in results for v in r.variants)
+    step("variant", t, f"{VARIANT} with it, {human_bytes(size)} in {out / VARIANT} (llama-quantize's bytes)")
+    t = time.perf_counter()
+    checked = request.verify(dataclasses.replace(req, out_dir=str(out / VARIANT), meta=None)).report
+    step(
+        "verify",
+        t,
+        ("OK" if checked.ok else "FAILED") + f": {VARIANT}, {checked.tensors} tensors, every byte",
+    )
+    return checked.ok
 
 
 def demo_command(req: Any, args: Any) -> int:

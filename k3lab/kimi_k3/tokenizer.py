@@ -16,9 +16,10 @@ transformers or the repo's remote code:
 from __future__ import annotations
 
 import binascii
-import functools
 import itertools
 import os
+import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,6 +79,27 @@ def read_tiktoken(path: str | Path) -> list[bytes]:
     return tokens
 
 
+# what Python 3.11's strict base64 takes, exactly (held by tests/unit/test_tokenizer.py on generated
+# text): the alphabet only; after whole quartets any padding, after a partial one exactly what it lacks
+STRICT_B64 = re.compile(
+    rb"(?:[A-Za-z0-9+/]{4})+=*|(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)|"
+)
+
+
+def b64_strict(text: bytes) -> bytes:
+    """Base64 read strictly: Python 3.11's ``strict_mode``; on 3.10, which has none, the same text
+    taken and refused (``STRICT_B64``, then the lenient reader); ``binascii.Error`` either way."""
+    if sys.version_info >= (3, 11):
+        return binascii.a2b_base64(text, strict_mode=True)
+    return b64_strict_310(text)
+
+
+def b64_strict_310(text: bytes) -> bytes:
+    if not STRICT_B64.fullmatch(text):
+        raise binascii.Error("not strict base64")
+    return binascii.a2b_base64(text)
+
+
 def _read_tiktoken_fast(data: bytes) -> list[bytes] | None:
     """The well-formed case in bulk: ranks 0..n-1 in order, distinct tokens. None if not that."""
     fields = data.split()
@@ -85,7 +107,7 @@ def _read_tiktoken_fast(data: bytes) -> list[bytes] | None:
     if len(fields) != 2 * (len(lines) - lines.count(b"")) or any(not ln.strip() for ln in lines if ln):
         return None
     try:
-        tokens = list(map(functools.partial(binascii.a2b_base64, strict_mode=True), fields[0::2]))
+        tokens = list(map(b64_strict, fields[0::2]))
         ranks = list(map(int, fields[1::2]))
     except (binascii.Error, ValueError):
         return None
@@ -104,7 +126,7 @@ def _read_tiktoken_checked(path: Path, lines: list[bytes]) -> list[bytes]:
         if len(parts) != 2:
             raise TokenizerError(f"{path}:{lineno}: expected 'base64-token rank', got {line[:60]!r}")
         try:
-            token = binascii.a2b_base64(parts[0], strict_mode=True)
+            token = b64_strict(parts[0])
         except (binascii.Error, ValueError):
             raise TokenizerError(
                 f"{path}:{lineno}: bad base64 {parts[0][:40].decode(errors='replace')!r}"

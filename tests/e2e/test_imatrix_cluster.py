@@ -74,7 +74,12 @@ def test_two_workers_that_share_no_folder_compute_one_machines_imatrix(
             assert not [p for p in d.rglob("*.gguf")], d
         # the client's folder holds the imatrix and the run's plan alone
         left = sorted(str(p.relative_to(out.parent)) for p in out.parent.rglob("*") if p.is_file())
-        assert left == [".k3lab/imatrix/plan.json", ".k3lab/lock", "imatrix.gguf"], left
+        assert left == [
+            ".k3lab/imatrix/done.json",
+            ".k3lab/imatrix/plan.json",
+            ".k3lab/lock",
+            "imatrix.gguf",
+        ], left
 
 
 def test_a_set_on_the_hub_in_this_process_and_its_bad_input(tiny_out: Path, tmp_path: Path) -> None:

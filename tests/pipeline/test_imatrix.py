@@ -315,16 +315,13 @@ def test_a_set_not_finished_and_a_hub_text_that_does_not_exist_are_one_line(
     from hub_server import HubServer
 
     shutil.copytree(tiny_out, tmp_path / "whole")
-    with HubServer(tmp_path / "whole") as hub:
-        for k, v in hub.client_env(tmp_path).items():
-            os.environ[k] = v
-        try:
-            code = main(["imatrix", str(tmp_path / "whole"), "--calibration", "nobody/nothing:text.txt"])
-        finally:
-            for k in hub.client_env(tmp_path):
-                os.environ.pop(k, None)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "nobody/nothing" in err[0], err
+    from conftest import run_cli
+
+    with HubServer(tmp_path / "whole") as hub:  # (a process of its own: the Hub it is told of)
+        done = run_cli(hub.client_env(tmp_path), "imatrix", str(tmp_path / "whole"), "--calibration",
+                       "nobody/nothing:text.txt")  # fmt: skip
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1 and "nobody/nothing" in err[0], err
 
 
 def test_one_ggml_in_the_process_and_nothing_said_of_its_repacking(tiny_one: Path, tmp_path: Path) -> None:

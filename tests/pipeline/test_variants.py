@@ -294,3 +294,24 @@ def test_tensors_of_many_slabs_are_the_same_bytes(widths_out: Path, tmp_path: Pa
     monkeypatch.setattr(quantize, "SLAB_VALUES", 256 * 8)  # (8 rows of 256 a slab)
     set_dir = _copy(widths_out, tmp_path)
     _sweep(set_dir, ("Q2_K", "Q8_0"), tmp_path, None)
+
+
+def test_a_label_holding_another_request_is_the_users_work(tiny_one: Path, tmp_path: Path, capsys) -> None:
+    """quantize under a label that holds a variant made as another request (here: with an imatrix,
+    then without): one line naming what differs, nothing replaced; --force replaces it."""
+    import shutil
+
+    from k3lab.cli import main
+
+    out = tmp_path / "set"
+    shutil.copytree(tiny_one, out)
+    imatrix = str(Path(__file__).resolve().parents[1] / "data" / "imatrix-tiny.gguf")
+    assert main(["quantize", str(out), "--type", "Q2_K", "--imatrix", imatrix, "--quiet"]) == 0
+    made = {p.name: p.read_bytes() for p in (out / "Q2_K").glob("*.gguf")}
+    capsys.readouterr()
+    assert main(["quantize", str(out), "--type", "Q2_K", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "made as another request (imatrix: " in err[0] and "--force" in err[0], err
+    assert {p.name: p.read_bytes() for p in (out / "Q2_K").glob("*.gguf")} == made
+    assert main(["quantize", str(out), "--type", "Q2_K", "--quiet", "--force"]) == 0
+    assert {p.name: p.read_bytes() for p in (out / "Q2_K").glob("*.gguf")} != made

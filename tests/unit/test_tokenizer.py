@@ -301,3 +301,33 @@ def test_a_merges_cache_entry_is_never_read(tiny_src: Path, tmp_path: Path, monk
     monkeypatch.setenv("K3LAB_CACHE", str(cache))
     merges = build_vocabulary(meta).merges
     assert merges == [f"{token_to_unicode(a)} {token_to_unicode(b)}" for a, b in want]
+
+
+def test_python_310s_strict_base64_takes_and_refuses_what_311s_does() -> None:
+    """The vocabulary's base64 is read strictly on every Python the README names: 3.10 has no
+    ``strict_mode``, so its reader must take and refuse exactly what 3.11's takes and refuses."""
+    import binascii
+    import random
+
+    from k3lab.kimi_k3.tokenizer import b64_strict_310
+
+    alphabet = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=\n -_\x00\xff"
+    rng = random.Random(0)
+
+    def read(f, t: bytes) -> bytes | None:
+        try:
+            return f(t)
+        except binascii.Error:
+            return None
+
+    for _ in range(200_000):
+        t = bytes(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+        if rng.random() < 0.6:
+            t = binascii.b2a_base64(
+                bytes(rng.randrange(256) for _ in range(rng.randint(0, 9))), newline=False
+            )
+            if t and rng.random() < 0.4:
+                j = rng.randrange(len(t))
+                t = t[:j] + bytes([rng.choice(alphabet)]) + t[j + 1 :]
+            t += b"=" * (rng.random() < 0.2) * rng.randint(1, 3)
+        assert read(lambda x: binascii.a2b_base64(x, strict_mode=True), t) == read(b64_strict_310, t), t

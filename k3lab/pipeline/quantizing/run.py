@@ -33,7 +33,7 @@ def quantize_set(
     a time, or as Dask tasks (the set's folder shared); with ``publication``, each file is uploaded
     into its variant's folder of the repo from where it was made, and committed by this client."""
     say = None if quiet else _say
-    with start_variants(model, set_dir, variants, shards, say) as (plan, token, numbers, _):
+    with start_variants(model, set_dir, variants, shards, say, force) as (plan, token, numbers, _):
         labels = tuple(v.label for v in variants)
         spec = SourceSpec.local(set_dir, set_dir)  # (read by nothing: the set's files are the source)
         push = publication.target if publication else None

@@ -44,6 +44,36 @@ def save_variants(out_dir: str, plans: Sequence[VariantPlan]) -> None:
             vf.records.merge(made_as=vp.made_as())
 
 
+def _asked(vp: VariantPlan) -> dict[str, str]:
+    """What a user asked a variant to be (never what follows from the set: a set made again makes its
+    variants again without asking)."""
+    import json
+
+    return {
+        "type and flags": json.dumps(vp.spec.to_json(), sort_keys=True),
+        "recipe": vp.recipe or "none",
+        "imatrix": vp.imatrix.sha256[:12] if vp.imatrix is not None else "none",
+    }
+
+
+def _not_another_request(folder: OutputFolder, vp: VariantPlan) -> None:
+    """A label that holds a variant made as another request (another type, flags, recipe or imatrix)
+    is the user's work: one line, unless ``--force``."""
+    vf = folder.variant(vp.label)
+    saved = vf.variant_plan.load() if vf.path.is_dir() else None
+    if saved is None or not any(r is not None for r in vf.records.all()):
+        return
+    before, now = _asked(saved), _asked(vp)
+    changed = [k for k in now if before[k] != now[k]]
+    if changed:
+        what = changed[0]
+        said = f"{before[what]} -> {now[what]}" if what != "type and flags" else "another type or flags"
+        raise K3LabError(
+            f"{vf.path}: holds {saved.label} made as another request ({what}: {said}): give the new one "
+            "another --label, or --force to replace it"
+        )
+
+
 @contextlib.contextmanager
 def start_variants(
     model: Model,
@@ -51,6 +81,7 @@ def start_variants(
     variants: Sequence[Variant],
     shards: str | list[int] | None = None,
     say: Callable[[str], None] | None = None,
+    force: bool = False,
 ) -> Iterator[tuple[Plan, str, list[int], list[VariantPlan]]]:
     """A run making variants of the finished set in ``set_dir`` (``k3lab quantize``): planned, the
     chosen files checked finished, then the set's folder held (no conversion may change a file while
@@ -60,6 +91,8 @@ def start_variants(
     vplans = plan_variants(plan, folder.plans.kvs(plan), variants)
     for vp in vplans:  # (a folder that is a link, or holds a link for .k3lab: one line, before anything)
         folder.variant(vp.label).check_state_dir()
+        if not force:
+            _not_another_request(folder, vp)
     numbers = output_files(
         ",".join(map(str, shards)) if isinstance(shards, list) else shards, len(plan.files)
     )
