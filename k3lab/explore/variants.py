@@ -29,7 +29,8 @@ def open_variants(
 ) -> tuple[Any, Any, dict[str, Any]]:
     """The plan of converting the checkpoint into ``out_dir`` (as ``k3lab convert`` would use it;
     nothing written), the source, and each of ``types`` (types or recipes) planned over it as
-    ``k3lab quantize --dry-run`` plans it (by label): for the real model, from its headers alone."""
+    ``k3lab quantize --dry-run`` plans it (by label): for the real model, from its headers alone.
+    ``imatrix`` None: the set's own (``set_imatrix``)."""
     from k3lab.explore.opening import _request
     from k3lab.pipeline.quantizing.start import plan_variants
     from k3lab.pipeline.running.start import prepare
@@ -43,18 +44,27 @@ def open_variants(
     source = opened(req, spec)
     plan, kvs = prepare(req.load_model(), spec, str(out_dir), options, source=source)
     kvs = kvs if kvs is not None else OutputFolder(out_dir).plans.kvs(plan)
-    asked = VariantRequest(",".join(types), imatrix=imatrix).build()
+    asked = VariantRequest(
+        ",".join(types), imatrix=set_imatrix(out_dir, imatrix) if repo is None else imatrix
+    ).build()
     return plan, source, {vp.label: vp for vp in plan_variants(plan, kvs, asked, forecast=True)}
 
 
+def set_imatrix(out_dir: str | Path, imatrix: str | None) -> str | None:
+    """The imatrix given, else the set's own (``OUT_DIR/imatrix.gguf``, what ``k3lab imatrix`` and the
+    demo make), else none."""
+    own = Path(out_dir) / "imatrix.gguf"
+    return imatrix if imatrix is not None else (str(own) if own.is_file() else None)
+
+
 def make_variants(out_dir: str | Path, types: list[str], imatrix: str | None = None) -> list[Any]:
-    """The variants of the finished set in ``out_dir``, made as ``k3lab quantize`` makes them."""
+    """The variants of the finished set in ``out_dir``, made as ``k3lab quantize`` makes them (with
+    ``imatrix``, else the set's own): a label holding a variant made as another request is refused."""
     from k3lab.request import Request
     from k3lab.variants import VariantRequest, quantize
 
-    return quantize(
-        Request(out_dir=str(out_dir), quiet=True), VariantRequest(",".join(types), imatrix=imatrix)
-    )
+    asked = VariantRequest(",".join(types), imatrix=set_imatrix(out_dir, imatrix))
+    return quantize(Request(out_dir=str(out_dir), quiet=True), asked)
 
 
 def variant_plans(set_dir: str | Path) -> dict[str, Any]:
