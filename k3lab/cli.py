@@ -150,8 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--type",
         dest="variants",
         metavar="TYPE[,TYPE...]",
-        required=True,
-        help="llama-quantize's types (Q2_K, IQ2_XXS, Q4_K_M ...) or k3lab's recipes (MoE-Q2_K ...): a variant each",
+        help="llama-quantize's types (Q2_K, IQ2_XXS, Q4_K_M ...) or k3lab's recipes (MoE-Q2_K ...): a variant each "
+        "(or --fit SIZE)",
     )
     _flags(q, {k: v for k, v in VARIANT_FLAGS.items() if k != "--variants"})
     q.add_argument("--files", "--shards", dest="shards", metavar="LIST", help=FILES_HELP)
@@ -169,6 +169,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--push-to", metavar="ORG/NAME", type=REPO, help="publish each variant file to this repo (LABEL/)"
     )
     q.add_argument("--keep-local", action="store_true", help="keep each variant file after uploading it")
+    q.add_argument(
+        "--fit",
+        metavar="SIZE",
+        help="the mix that loses least within SIZE (500G, 470G...): every tensor's type "
+        "chosen from its measured cost, written as llama-quantize's --tensor-type-file (SET/LABEL.tensor-types.txt)",
+    )
+    q.add_argument(
+        "--fit-rows", type=JOBS, metavar="N", help="rows of every matrix measured per type (default 16)"
+    )
+    q.add_argument(
+        "--fit-floor",
+        metavar="TYPE",
+        default="Q2_K",
+        help="with --fit: what every token passes through (all "
+        "but the routed experts) at this type's bits per weight or more (default Q2_K; none: no floor)",
+    )
     _flags(q, {"--retry-budget": SOURCE_FLAGS["--retry-budget"]}, PUSH_FLAGS)
 
     im = command(

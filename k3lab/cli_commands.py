@@ -62,6 +62,15 @@ def _quantize(req: Request, args: argparse.Namespace) -> int:
     if args.dry_run:
         print(describe(forecast(req, VariantRequest.of(args))))
         return 0
+    if args.fit:
+        from k3lab.variants import fit
+
+        fitted, made = fit(
+            req, VariantRequest.of(args), args.fit, args.fit_rows, None if req.quiet else _say, args.fit_floor
+        )
+        print(f"--fit {args.fit}: loss {fitted.loss:.4g} (the sum of every tensor's measured cost)")
+        _say_variants(made, req.out_dir or "", True)
+        return 0
 
     _say_variants(
         quantize(req, VariantRequest.of(args), None if req.quiet else _say), req.out_dir or "", True

@@ -4,6 +4,7 @@ builds the parser from them), and each command's example (a test runs every one 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from k3lab import values
 
@@ -51,6 +52,21 @@ RUN_FLAGS = {
     ),
 }
 FILES_HELP = "output files to write: N, A-B or a comma mix (default: all); --shards is its old name"
+TYPE_FILE = (
+    "\0file:"  # (an argument never holds a NUL: a --tensor-type-file entry among the --tensor-type ones)
+)
+
+
+class TypeFileAction(argparse.Action):
+    """``--tensor-type-file FILE`` kept in order among the ``--tensor-type`` entries (llama-quantize
+    reads both into one list, in the order given)."""
+
+    def __call__(self, parser: Any, namespace: Any, value: Any, option_string: Any = None) -> None:
+        items = list(getattr(namespace, self.dest, None) or [])
+        items.append(TYPE_FILE + str(value))
+        setattr(namespace, self.dest, items)
+
+
 VARIANT_FLAGS = {  # llama-quantize's own flags, with its meaning
     "--variants": dict(
         metavar="TYPE[,TYPE...]",
@@ -64,6 +80,10 @@ VARIANT_FLAGS = {  # llama-quantize's own flags, with its meaning
     "--tensor-type": dict(
         action="append", metavar="PATTERN=TYPE", help="llama-quantize's: tensors whose name the regex matches get TYPE "
         "(the first pattern that matches wins; repeatable)"
+    ),
+    "--tensor-type-file": dict(
+        action=TypeFileAction, dest="tensor_type", metavar="FILE", help="llama-quantize's: PATTERN=TYPE "
+        "entries separated by white space, taken where the flag stands among the --tensor-type ones"
     ),
     "--output-tensor-type": dict(metavar="TYPE", help="llama-quantize's: the type of output.weight"),
     "--token-embedding-type": dict(metavar="TYPE", help="llama-quantize's: the type of token_embd.weight"),

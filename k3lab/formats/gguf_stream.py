@@ -17,89 +17,25 @@ import os
 import shutil
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import (
-    GGML_QUANT_SIZES,
-    GGUF_DEFAULT_ALIGNMENT,
-    GGMLQuantizationType,
-    GGUFValueType,
-    GGUFWriter,
-    Keys,
-)
 
 from k3lab.errors import K3LabError, MachineError
 from k3lab.formats import hashing
 from k3lab.formats.direct_io import DirectTail, aligned
 from k3lab.formats.files import fsync_dir, partial_path, remove_regular
-
-ALIGNMENT = GGUF_DEFAULT_ALIGNMENT  # (k3lab writes no general.alignment)
-
-
-@dataclass(frozen=True)
-class KV:
-    """One metadata key as plain data: full key, value, GGUF value type (and element type of an array)."""
-
-    key: str
-    value: Any
-    type: GGUFValueType
-    sub_type: GGUFValueType | None = None
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    type: GGMLQuantizationType
-    shape: tuple[int, ...]  # numpy order (outermost first); GGUF's ne is the reverse
-
-    @property
-    def ne(self) -> tuple[int, ...]:
-        return tuple(reversed(self.shape))
-
-    @property
-    def nbytes(self) -> int:
-        block, type_size = GGML_QUANT_SIZES[self.type]
-        n = 1
-        for d in self.shape:
-            n *= d
-        if self.shape[-1] % block:
-            raise ValueError(
-                f"{self.name}: last dim {self.shape[-1]} is not a multiple of {self.type.name}'s "
-                f"block of {block}"
-            )
-        return n // block * type_size
-
-
-def kvs_to_json(kvs: Sequence[KV]) -> list[list[Any]]:
-    """KVs as JSON-able rows [key, type, value, element type] (Python floats keep F32 values exactly)."""
-    return [[kv.key, kv.type.name, kv.value, kv.sub_type.name if kv.sub_type else None] for kv in kvs]
-
-
-def kvs_from_json(rows: Sequence[Sequence[Any]]) -> list[KV]:
-    return [KV(k, v, GGUFValueType[t], GGUFValueType[st] if st else None) for k, t, v, st in rows]
-
-
-def split_kvs(split_no: int, split_count: int, tensors_total: int) -> list[KV]:
-    """The keys that make a file one member of a llama.cpp split set."""
-    return [
-        KV(Keys.Split.LLM_KV_SPLIT_NO, split_no, GGUFValueType.UINT16),
-        KV(Keys.Split.LLM_KV_SPLIT_COUNT, split_count, GGUFValueType.UINT16),
-        KV(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, tensors_total, GGUFValueType.INT32),
-    ]
-
-
-def _raw_string(kv: KV) -> Any:
-    """A string value as its bytes go into the file (not UTF-8: kept in a ``str`` as surrogate escapes)."""
-    if kv.type == GGUFValueType.STRING and isinstance(kv.value, str):
-        try:
-            kv.value.encode("utf-8")
-        except UnicodeEncodeError:
-            return kv.value.encode("utf-8", errors="surrogateescape")
-    return kv.value
-
+from k3lab.formats.gguf_data import (  # noqa: F401 (KV and the rest: imported from here by the pipeline)
+    ALIGNMENT,
+    KV,
+    TensorInfo,
+    _writer,
+    file_size,
+    kvs_from_json,
+    kvs_to_json,
+    split_kvs,
+)
 
 PIECES_IN_FLIGHT = 2  # pieces the writer may still be hashing or writing while the producer makes the next
 WRITEBACK_STEP = 64 * 1024 * 1024  # bytes written between writeback requests
@@ -150,18 +86,7 @@ class GGUFStream:
         self._turn = 0
         self._lent: tuple[np.ndarray, np.ndarray, int] | None = None  # (piece, its block, lead) last lent
         self.hashes: dict[str, str] = {}
-        self._writer = GGUFWriter(self.partial, arch or "")
-        if arch is None:  # the keys exactly as given (a split file of llama-quantize's has no architecture)
-            self._writer.kv_data[0].pop(Keys.General.ARCHITECTURE, None)
-        for kv in kvs:
-            if kv.key == Keys.General.ARCHITECTURE and arch is not None:
-                continue  # GGUFWriter adds it
-            self._writer.add_key_value(kv.key, _raw_string(kv), kv.type, sub_type=kv.sub_type)
-        for ti in self.infos:
-            # the placeholder dtype only tells GGUFWriter "not raw bytes": shape is taken as given
-            self._writer.add_tensor_info(
-                ti.name, ti.shape, np.dtype(np.float32), ti.nbytes, raw_dtype=ti.type
-            )
+        self._writer = _writer(self.partial, arch, kvs, self.infos)
 
     def __enter__(self) -> GGUFStream:
         self.partial.parent.mkdir(parents=True, exist_ok=True)

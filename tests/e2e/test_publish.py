@@ -488,8 +488,9 @@ def test_variants_made_on_workers_that_share_nothing_are_published_in_their_fold
         assert len(hub.uploads) == puts
         # another variant, from the local set, into the same repo
         q = run_cli(
-            env, "quantize", str(local), "--type", "MoE-Q2_K", "--push-to", TARGET, "--keep-local", "--quiet"
-        )
+            env, "quantize", str(local), "--type", "MoE-Q2_K", "--imatrix", "imatrix.gguf", "--push-to", TARGET,
+            "--keep-local", "--quiet", cwd=tmp_path / "im",
+        )  # fmt: skip  # (the request it was made as: the same imatrix)
         assert q.returncode == 0, q.stderr[-3000:]
         files = hub.files_of(TARGET)
         pushed = {p for p in files if p.startswith("MoE-Q2_K/")}
@@ -502,7 +503,7 @@ def test_variants_made_on_workers_that_share_nothing_are_published_in_their_fold
         assert (
             "## Quantised variants" in card and "| `IQ2_XXS` | 9 |" in card and "| `MoE-Q2_K` | 9 |" in card
         )
-        assert "llama-quantize --keep-split --allow-requantize --tensor-type" in card
+        assert "llama-quantize --keep-split --allow-requantize --imatrix imatrix.gguf --tensor-type" in card
         assert json.loads(files["MoE-Q2_K/MANIFEST.json"])["made_as"].startswith(
             "llama-quantize --keep-split"
         )
@@ -519,7 +520,10 @@ def test_variants_made_on_workers_that_share_nothing_are_published_in_their_fold
             "--quiet",
         )
         assert d.returncode == 0 and "MoE-Q2_K: 9 written" in d.stdout, d.stdout + d.stderr
-        assert not _same_files(tmp_path / "shared" / "MoE-Q2_K", local / "MoE-Q2_K")
+        here = tmp_path / "here"  # (the same request in one process)
+        shutil.copytree(local, here, ignore=shutil.ignore_patterns("IQ2_XXS", "MoE-Q2_K"))
+        assert run_cli(None, "quantize", str(here), "--type", "MoE-Q2_K", "--quiet").returncode == 0
+        assert not _same_files(tmp_path / "shared" / "MoE-Q2_K", here / "MoE-Q2_K")
         there = run_cli(env, "verify", f"{TARGET}/IQ2_XXS", "--all")
         assert there.returncode == 0 and "verify OK: 9 files" in there.stdout, there.stdout + there.stderr
         assert run_cli(env, "verify", TARGET).returncode == 0  # (the set at the top, its variants apart)

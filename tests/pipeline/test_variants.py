@@ -138,6 +138,36 @@ def test_recipes_and_overrides_are_the_command_they_print(widths_out: Path, tmp_
     assert "--tensor-type blk\\\\.3\\\\.attn_q=q8_0" in man  # (the reason each tensor has its type)
 
 
+def test_a_tensor_type_file_is_llama_quantizes(widths_out: Path, tmp_path: Path, capsys) -> None:
+    """--tensor-type-file: its entries (white space apart) taken where the flag stands among the
+    --tensor-type ones, as llama-quantize takes them: the same bytes as llama-quantize given the
+    same flags in the same order; an entry that is not PATTERN=TYPE is one line naming the file."""
+    set_dir = _copy(widths_out, tmp_path)
+    types = tmp_path / "types.txt"
+    types.write_text("blk\\.2\\.ffn_up_exps=q8_0\n  ffn_down_exps=q4_k\tblk\\.1\\..*=q6_k\n")
+    flags = [
+        "--tensor-type",
+        "blk\\.2\\..*=q5_k",
+        "--tensor-type-file",
+        str(types),
+        "--tensor-type",
+        "attn=q3_k",
+    ]
+    assert main(["quantize", str(set_dir), "--type", "Q2_K", *flags, "--quiet"]) == 0
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    quantize_like_llama(_first(set_dir), ref / "Kimi-K3-Q2_K.gguf", "Q2_K", *flags)
+    assert not _same(set_dir / "Q2_K", ref)
+    types.write_text("ffn_up_exps=q8_0 not-an-entry\n")
+    capsys.readouterr()
+    assert (
+        main(["quantize", str(set_dir), "--type", "Q3_K_M", "--tensor-type-file", str(types), "--quiet"]) == 2
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--tensor-type-file {types}: entry 2" in err[0], err
+    assert not (set_dir / "Q3_K_M").exists()
+
+
 def test_convert_with_variants_makes_the_same_files_on_two_processes(tiny_src: Path, tmp_path: Path) -> None:
     """``convert --variants`` makes file k's variants right after file k, on the worker that made it:
     the same bytes as quantising the finished set (``quantize``)."""

@@ -206,6 +206,7 @@ class QuantSpec:
     token_embedding_type: str | None = None
     pure: bool = False
     leave_output_tensor: bool = False
+    type_file: str | None = None  # the --tensor-type-file the overrides were read from (the command says it)
 
     def __post_init__(self) -> None:
         ftype(self.ftype)
@@ -229,6 +230,7 @@ class QuantSpec:
             "token_embedding_type": self.token_embedding_type,
             "pure": self.pure,
             "leave_output_tensor": self.leave_output_tensor,
+            **({"type_file": self.type_file} if self.type_file else {}),
         }
 
     @classmethod
@@ -240,6 +242,7 @@ class QuantSpec:
             data.get("token_embedding_type"),
             bool(data.get("pure", False)),
             bool(data.get("leave_output_tensor", False)),
+            data.get("type_file") or None,
         )
 
 

@@ -102,8 +102,11 @@ def command(spec: QuantSpec, first: str, out: str, imatrix: str | None, keep_spl
     flags.append("--allow-requantize")
     if imatrix:
         flags += ["--imatrix", imatrix]
-    for pattern, to in spec.overrides:
-        flags += ["--tensor-type", f"{pattern}={to.lower()}"]
+    if spec.type_file:  # (every override from one file: the file, as given)
+        flags += ["--tensor-type-file", spec.type_file]
+    else:
+        for pattern, to in spec.overrides:
+            flags += ["--tensor-type", f"{pattern}={to.lower()}"]
     if spec.output_tensor_type:
         flags += ["--output-tensor-type", spec.output_tensor_type.lower()]
     if spec.token_embedding_type:

@@ -26,6 +26,7 @@ STATE_LIMITS = {
     "record": 256 * MiB,
     "variant": 512 * MiB,
     "imatrix": 64 * MiB,
+    "costs": 64 * MiB,
 }
 
 

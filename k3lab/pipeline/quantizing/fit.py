@@ -1,0 +1,133 @@
+"""The mix that loses least for a size: a type for every tensor, from the cost tables (``costs``), such
+that the set's bytes stay within a budget and the summed loss is the least the tables allow.
+
+Each tensor's options, as (bytes, loss) points, are reduced to their lower convex hull (an option that
+another pair of options beats on both counts at every trade-off is never worth choosing); from every
+tensor at its best option, the step that gives up the least loss per byte saved is taken, then the next,
+until the set fits. On the hulls this greedy walk is the optimum of the problem's continuous relaxation,
+and the integer answer it stops at is within one step of one tensor of the optimum: the last step is
+the one that overshoots by at most that step's bytes. What comes out is the same kind of thing a
+recipe is: a type per tensor, written as llama-quantize's flags (``--tensor-type-file``), so that the
+variant is llama-quantize's bytes and can be made again with stock llama-quantize."""
+
+from __future__ import annotations
+
+import heapq
+import re
+from dataclasses import dataclass
+
+from k3lab.errors import K3LabError
+from k3lab.pipeline.quantizing.costs import Option, TensorCost
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """The mix chosen: a type per tensor, the set's bytes, the summed loss (and the tables' bounds)."""
+
+    types: dict[str, str]
+    nbytes: int
+    loss: float
+    smallest: int  # the bytes of every tensor at its smallest option
+    largest: int  # ... at its lossless one
+
+    def type_file(self) -> str:
+        """llama-quantize's ``--tensor-type-file``: a line per tensor, its exact name as the pattern."""
+        return "".join(f"^{re.escape(name)}$={t.lower()}\n" for name, t in sorted(self.types.items()))
+
+
+def hull(options: list[Option]) -> list[Option]:
+    """The lower convex hull of (bytes, loss), from the largest option down: each step saves bytes
+    for more loss per byte than the step before it (options beaten on both counts, or lying above
+    the line between two others, are never the best choice at any trade-off)."""
+    pareto: list[Option] = []
+    for o in sorted(options, key=lambda o: (o.nbytes, o.cost)):  # (fewest bytes first)
+        if not pareto or o.cost < pareto[-1].cost:
+            if pareto and o.nbytes == pareto[-1].nbytes:
+                continue
+            pareto.append(o)
+    lower: list[Option] = []
+    for o in pareto:
+        while len(lower) >= 2:
+            a, b = lower[-2], lower[-1]
+            # b lies on or above the segment from a to o: not on the lower hull
+            if (b.cost - a.cost) * (o.nbytes - a.nbytes) >= (o.cost - a.cost) * (b.nbytes - a.nbytes):
+                lower.pop()
+            else:
+                break
+        lower.append(o)
+    return lower[::-1]
+
+
+def floored(tables: list[TensorCost], floor_bits: float) -> list[TensorCost]:
+    """Every tensor that is not an expert stack (what every token passes through: attention, dense
+    layers, shared experts, the embedding and the head) kept at ``floor_bits`` bits per weight or
+    more, as the recipes keep it (its loss measured on its own understates what it does downstream)."""
+    out = []
+    for t in tables:
+        weights = 1
+        for d in t.ne:
+            weights *= d
+        if len(t.ne) < 3 and floor_bits > 0:
+            kept = [o for o in t.options if 8 * o.nbytes / weights >= floor_bits or o.cost == 0]
+            t = TensorCost(t.name, t.type, t.ne, kept)
+        out.append(t)
+    return out
+
+
+def fit(tables: list[TensorCost], budget: int, fixed: int = 0) -> Fitted:
+    """Every tensor's type for a set of at most ``budget`` bytes (``fixed``: the bytes of what is not
+    in the tables: norms, the vocabulary's metadata, the files' headers). One line when no mix fits
+    or when the lossless set does already."""
+    hulls = {t.name: hull(t.options) for t in tables}
+    largest = fixed + sum(h[0].nbytes for h in hulls.values())
+    smallest = fixed + sum(h[-1].nbytes for h in hulls.values())
+    if budget >= largest:
+        raise K3LabError(
+            f"--fit {budget:,} bytes: the lossless set is {largest:,} bytes and fits already: nothing to lose"
+        )
+    if budget < smallest:
+        raise K3LabError(
+            f"--fit {budget:,} bytes: the smallest mix of these types is {smallest:,} bytes (every tensor at "
+            "its smallest): give a larger budget"
+        )
+    at = {name: 0 for name in hulls}
+    heap = []
+    for name, h in hulls.items():
+        if len(h) > 1:
+            heapq.heappush(heap, (_slope(h[0], h[1]), name))
+    total = largest
+    while total > budget and heap:
+        _, name = heapq.heappop(heap)
+        h, i = hulls[name], at[name]
+        total -= h[i].nbytes - h[i + 1].nbytes
+        at[name] = i + 1
+        if i + 2 < len(h):
+            heapq.heappush(heap, (_slope(h[i + 1], h[i + 2]), name))
+    chosen = {name: hulls[name][i] for name, i in at.items()}
+    _spend_the_rest(tables, chosen, budget - total)
+    total = fixed + sum(o.nbytes for o in chosen.values())
+    return Fitted({n: o.type for n, o in chosen.items()}, total, sum(o.cost for o in chosen.values()),
+                  smallest, largest)  # fmt: skip
+
+
+def _spend_the_rest(tables: list[TensorCost], chosen: dict[str, Option], slack: int) -> None:
+    """What the walk left of the budget (its last step overshoots by less than a step) spent again:
+    while a tensor can take a better option within it, the one that gains the most loss does."""
+    while True:
+        best = None
+        for t in tables:
+            now = chosen[t.name]
+            for o in t.options:
+                extra = o.nbytes - now.nbytes
+                if o.cost < now.cost and extra <= slack and (best is None or now.cost - o.cost > best[0]):
+                    best = (now.cost - o.cost, t.name, o, extra)
+        if best is None:
+            return
+        _, name, o, extra = best
+        chosen[name] = o
+        slack -= extra
+
+
+def _slope(a: Option, b: Option) -> float:
+    """Loss gained per byte saved going from ``a`` to ``b``."""
+    return (b.cost - a.cost) / max(1, a.nbytes - b.nbytes)

@@ -1,0 +1,167 @@
+"""The mix that loses least for a size (`quantize --fit`): the cost table against ggml's own round trip,
+the solver against every mix of small problems, the variant against llama-quantize given the
+`--tensor-type-file` it writes (byte for byte), never over its budget, and at equal size against
+llama.cpp's own ftype in llama.cpp (KL from the lossless set); bad budgets in one line."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT, convert
+from llama_support import needs_llama
+
+from k3lab.cli import main
+from k3lab.kimi_k3.synth import synthesize
+from k3lab.pipeline.quantizing.costs import Option, TensorCost
+from k3lab.pipeline.quantizing.fit import fit
+
+IMATRIX = ROOT / "tests" / "data" / "imatrix-widths.gguf"
+
+
+def test_the_solver_is_within_one_step_of_the_best_mix_and_never_over_budget() -> None:
+    """Against every mix of 600 small random problems: never over the budget, and never worse than
+    the best mix by more than one tensor's step (the one its last move overshoots by)."""
+    rng = random.Random(0)
+    exact = checked = 0
+    for _ in range(600):
+        tables = [
+            TensorCost(f"t{i}", "L", (1,), [Option("L", 1000, 0.0)]
+                       + [Option(f"T{j}", rng.randint(50, 999), rng.random() * 10) for j in range(4)])
+            for i in range(4)
+        ]  # fmt: skip
+        budget = rng.randint(600, 3900)
+        if budget < sum(min(o.nbytes for o in t.options) for t in tables):
+            continue
+        got = fit(tables, budget)
+        assert got.nbytes <= budget
+        best = min(
+            sum(o.cost for o in mix)
+            for mix in itertools.product(*(t.options for t in tables))
+            if sum(o.nbytes for o in mix) <= budget
+        )
+        step = max(max(o.cost for o in t.options) for t in tables)
+        assert got.loss <= best + step + 1e-9
+        checked += 1
+        exact += abs(got.loss - best) < 1e-9
+    print(f"the solver: the best mix in {exact} of {checked} problems, within one step in all")
+    assert exact > 0.8 * checked
+
+
+@pytest.fixture(scope="module")
+def widths_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("fit-widths") / "src"
+    synthesize("widths", src, seed=0)
+    out = tmp_path_factory.mktemp("fit-widths-set")
+    assert convert(src, out, per_layer=False) == 0
+    return out
+
+
+@needs_llama
+def test_a_cost_is_ggmls_round_trip_weighted_by_the_imatrix(widths_set: Path, tmp_path: Path) -> None:
+    """One tensor's cost of one type recomputed by hand: its sampled rows widened by ggml, quantised
+    with its imatrix and dequantised by ggml, the squared errors weighted by the imatrix's columns."""
+    from k3lab.formats.ggml import TYPE_IDS, ggml
+    from k3lab.pipeline.quantizing.costs import load_table, sample_rows, table_path
+    from k3lab.pipeline.state import OutputFolder
+
+    set_dir = tmp_path / "set"
+    shutil.copytree(widths_set, set_dir)
+    assert main(["quantize", str(set_dir), "--fit", "4000000", "--imatrix", str(IMATRIX), "--quiet"]) == 0
+    import json
+
+    body = json.loads((table_path(OutputFolder(set_dir).state, 1)).read_text().split("\n", 1)[1])
+    tables = load_table(table_path(OutputFolder(set_dir).state, 1), body["proof"])
+    assert tables
+    t = next(
+        t
+        for t in tables
+        if t.name.startswith("blk.2.") and len(t.ne) == 2 and "Q4_K" in {o.type for o in t.options}
+    )
+    option = next(o for o in t.options if o.type == "Q4_K")
+    import gguf
+
+    reader = gguf.GGUFReader(next(set_dir.glob("*.gguf")))
+    raw = next(x for x in reader.tensors if x.name == t.name)
+    lib = ggml()
+    width, height = t.ne[0], t.ne[1]
+    rows = sample_rows(height)
+    data = np.asarray(raw.data).reshape(height, -1).view(np.uint8)
+    w = np.empty((len(rows), width), np.float32)
+    for j, r in enumerate(rows):
+        lib.to_float(TYPE_IDS[t.type], np.ascontiguousarray(data[r]), w[j])
+    im_reader = gguf.GGUFReader(IMATRIX)
+    sums = np.asarray(
+        next(x for x in im_reader.tensors if x.name == t.name + ".in_sum2").data, np.float32
+    ).reshape(-1)
+    count = float(
+        np.asarray(next(x for x in im_reader.tensors if x.name == t.name + ".counts").data).reshape(-1)[0]
+    )
+    im = (sums / np.float32(count)).astype(np.float32)
+    q = np.empty(len(rows) * lib.traits(TYPE_IDS["Q4_K"]).row_bytes(width), np.uint8)
+    lib.quantize(TYPE_IDS["Q4_K"], w, q, im)
+    back = np.empty(w.size, np.float32)
+    lib.to_float(TYPE_IDS["Q4_K"], q, back)
+    want = float((((back.reshape(w.shape) - w).astype(np.float64) ** 2) * im).sum()) * height / len(rows)
+    assert option.cost == pytest.approx(want, rel=1e-9)
+    assert option.nbytes == height * lib.traits(TYPE_IDS["Q4_K"]).row_bytes(width)
+
+
+@needs_llama
+def test_fit_is_llama_quantize_with_its_type_file_within_budget_and_better_than_the_ftype(
+    widths_set: Path, tmp_path: Path, capsys
+) -> None:
+    """--fit at Q2_K's size: never over it, llama-quantize's bytes given the --tensor-type-file it
+    wrote (the command its manifest records, run as it is), and less KL from the lossless set in
+    llama.cpp than Q2_K of the same size."""
+    from k3lab.explore.variants import kl_divergence
+
+    set_dir = tmp_path / "set"
+    shutil.copytree(widths_set, set_dir)
+    assert main(["quantize", str(set_dir), "--type", "Q2_K", "--imatrix", str(IMATRIX), "--quiet"]) == 0
+    budget = sum(p.stat().st_size for p in (set_dir / "Q2_K").glob("*.gguf"))
+    assert main(["quantize", str(set_dir), "--fit", str(budget), "--label", "fit", "--imatrix", str(IMATRIX),
+                 "--quiet"]) == 0  # fmt: skip
+    made = sorted((set_dir / "fit").glob("*.gguf"))
+    assert sum(p.stat().st_size for p in made) <= budget
+    import json
+
+    command = json.loads((set_dir / "fit" / "MANIFEST.json").read_text())["made_as"].splitlines()[0]
+    argv = shlex.split(command)
+    assert "--tensor-type-file" in argv and argv[argv.index("--tensor-type-file") + 1].endswith(
+        "fit.tensor-types.txt"
+    )
+    from llama_tree import llama_quantize
+
+    ref = tmp_path / "ref.gguf"
+    argv[0], argv[-2] = str(llama_quantize()), str(ref)
+    done = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=900, cwd=set_dir)
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert ref.read_bytes() == made[0].read_bytes()
+    base = next(set_dir.glob("*.gguf"))
+    ours, theirs = (
+        kl_divergence(base, made[0], "fit"),
+        kl_divergence(base, next((set_dir / "Q2_K").glob("*.gguf")), "Q2_K"),
+    )
+    print(ours.line(), theirs.line(), sep="\n")
+    assert ours.mean < theirs.mean
+    capsys.readouterr()
+    for flags, said in (
+        (["--fit", "1000"], "the smallest mix of these types is"),
+        (["--fit", "100G"], "fits already: nothing to lose"),
+        (["--fit", "3M", "--type", "Q2_K"], "--fit chooses every tensor's type"),
+        (["--fit", "3M", "--fit-floor", "Q9_Z"], "--fit-floor 'Q9_Z'"),
+    ):
+        assert (
+            main(["quantize", str(set_dir), *flags, "--imatrix", str(IMATRIX), "--label", "bad", "--quiet"])
+            == 2
+        )
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], (flags, err)
+        assert not (set_dir / "bad").exists() and not (set_dir / "bad.tensor-types.txt").exists()
