@@ -81,6 +81,17 @@ VARIANT_FLAGS = {  # llama-quantize's own flags, with its meaning
         action="append", metavar="PATTERN=TYPE", help="llama-quantize's: tensors whose name the regex matches get TYPE "
         "(the first pattern that matches wins; repeatable)"
     ),
+    "--include-weights": dict(
+        action="append", metavar="NAME", help="llama-quantize's: the imatrix's entries whose names hold NAME, "
+        "and no others (repeatable)"
+    ),
+    "--exclude-weights": dict(
+        action="append", metavar="NAME", help="llama-quantize's: not the imatrix's entries whose names hold NAME"
+    ),
+    "--override-kv": dict(
+        action="append", metavar="KEY=TYPE:VALUE", help="llama-quantize's: a metadata key of file 1 set (int, "
+        "float, bool, str; repeatable)"
+    ),
     "--tensor-type-file": dict(
         action=TypeFileAction, dest="tensor_type", metavar="FILE", help="llama-quantize's: PATTERN=TYPE "
         "entries separated by white space, taken where the flag stands among the --tensor-type ones"

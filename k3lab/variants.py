@@ -28,14 +28,18 @@ class VariantRequest:
     pure: bool = False
     leave_output_tensor: bool = False
     threads: int | None = None
+    include_weights: tuple[str, ...] = ()
+    exclude_weights: tuple[str, ...] = ()
+    override_kv: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, given: Any) -> VariantRequest:
         given = given if isinstance(given, dict) else vars(given)
         names = {f.name for f in dataclasses.fields(cls)}
         out = {k: v for k, v in given.items() if k in names and v is not None}
-        if "tensor_type" in out:
-            out["tensor_type"] = tuple(out["tensor_type"])
+        for key in ("tensor_type", "include_weights", "exclude_weights", "override_kv"):
+            if key in out:
+                out[key] = tuple(out[key])
         return cls(**out)
 
     def build(self) -> tuple[Any, ...]:
@@ -48,7 +52,14 @@ class VariantRequest:
         ):  # (checked before ggml's binding is imported: a conversion without variants never pays it)
             flags = [
                 f
-                for f in ("label", "imatrix", "output_tensor_type", "token_embedding_type")
+                for f in (
+                    "label",
+                    "imatrix",
+                    "output_tensor_type",
+                    "token_embedding_type",
+                    "include_weights",
+                    "exclude_weights",
+                )
                 if getattr(self, f)
             ]
             if flags or self.tensor_type or self.pure or self.leave_output_tensor:
@@ -69,7 +80,11 @@ class VariantRequest:
         if self.imatrix:
             from k3lab.pipeline.quantizing.imatrix_files import open_imatrix
 
-            imatrix = open_imatrix(self.imatrix)
+            if self.include_weights and self.exclude_weights:
+                raise K3LabError(
+                    "--include-weights and --exclude-weights cannot go together (llama-quantize refuses both)"
+                )
+            imatrix = open_imatrix(self.imatrix).filtered(self.include_weights, self.exclude_weights)
         out = []
         for name in names:
             recipe = RECIPES.get(name)
@@ -83,7 +98,10 @@ class VariantRequest:
 
             whole = [t[len(TYPE_FILE) :] for t in self.tensor_type if t.startswith(TYPE_FILE)]
             file = whole[0] if len(whole) == len(self.tensor_type) == 1 else None  # (the file alone)
-            spec = QuantSpec(ftype, overrides, output, embedding, self.pure, self.leave_output_tensor, file)
+            kv = tuple(_kv_override(o) for o in self.override_kv)
+            spec = QuantSpec(
+                ftype, overrides, output, embedding, self.pure, self.leave_output_tensor, file, kv
+            )
             label = check_label(self.label or (recipe.name if recipe else ftype))
             out.append(Variant(label, spec, imatrix, recipe.name if recipe else ""))
         return tuple(out)
@@ -99,6 +117,22 @@ def _type(name: str | None, flag: str) -> str | None:
     if TYPE_IDS.get(up, -1) not in QUANTIZE_TARGETS:
         raise K3LabError(f"{flag} {name!r}: not a type ggml quantises to")
     return up
+
+
+def _kv_override(text: str) -> tuple[str, str, str]:
+    """``--override-kv KEY=TYPE:VALUE`` as llama.cpp parses it (``string_parse_kv_override``): a key of
+    1 to 127 bytes, a type of int, float, bool (true or false) or str (127 bytes at most)."""
+    key, sep, rest = text.partition("=")
+    kind, colon, value = rest.partition(":")
+    if not sep or not 0 < len(key.encode("utf-8", "surrogateescape")) < 128:
+        raise K3LabError(f"--override-kv {text!r}: give KEY=TYPE:VALUE, a key of 1 to 127 bytes")
+    if not colon or kind not in ("int", "float", "bool", "str"):
+        raise K3LabError(f"--override-kv {text!r}: the type is int, float, bool or str (llama.cpp's)")
+    if kind == "bool" and value not in ("true", "false"):
+        raise K3LabError(f"--override-kv {text!r}: a bool is true or false")
+    if kind == "str" and len(value.encode("utf-8", "surrogateescape")) > 127:
+        raise K3LabError(f"--override-kv {text!r}: a str of at most 127 bytes (llama.cpp's)")
+    return key, kind, value
 
 
 MAX_TYPE_FILE = 16 << 20  # bytes of a --tensor-type-file (a line per tensor of Kimi-K3 is 2 MB)

@@ -168,6 +168,51 @@ def test_a_tensor_type_file_is_llama_quantizes(widths_out: Path, tmp_path: Path,
     assert not (set_dir / "Q3_K_M").exists()
 
 
+@pytest.mark.parametrize("flag", ["--include-weights", "--exclude-weights"])
+def test_include_and_exclude_weights_are_llama_quantizes(
+    flag: str, widths_out: Path, tmp_path: Path, capsys
+) -> None:
+    """--include-weights/--exclude-weights (repeatable: the imatrix's entries whose names hold NAME):
+    llama-quantize's bytes and metadata (its entry count); both together refused in one line, as
+    llama-quantize refuses them."""
+    set_dir = _copy(widths_out, tmp_path)
+    flags = ["--imatrix", str(IMATRIX["widths"]), flag, "ffn_", flag, "attn_q"]
+    assert main(["quantize", str(set_dir), "--type", "Q2_K", *flags, "--quiet"]) == 0
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    quantize_like_llama(_first(set_dir), ref / "Kimi-K3-Q2_K.gguf", "Q2_K", *flags)
+    assert not _same(set_dir / "Q2_K", ref)
+    assert not _same(
+        set_dir / "Q2_K", _judge(set_dir, "Q2_K", tmp_path)
+    )  # (the command its manifest records)
+    capsys.readouterr()
+    both = ["--include-weights", "ffn_", "--exclude-weights", "attn"]
+    assert (
+        main(["quantize", str(set_dir), "--type", "Q3_K_M", "--imatrix", str(IMATRIX["widths"]), *both]) == 2
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot go together" in err[0], err
+
+
+def test_override_kv_is_llama_quantizes(widths_out: Path, tmp_path: Path, capsys) -> None:
+    """--override-kv KEY=TYPE:VALUE (int written as its absolute value's u32, float as f32, bool, str;
+    an existing key moved last, as ggml sets it): llama-quantize's bytes; a malformed one one line."""
+    set_dir = _copy(widths_out, tmp_path)
+    flags = ["--override-kv", "general.name=str:Custom K3", "--override-kv", "k3lab.note=int:-12abc",
+             "--override-kv", "k3lab.scale=float:2.5e-1x", "--override-kv", "k3lab.flag=bool:true"]  # fmt: skip
+    assert main(["quantize", str(set_dir), "--type", "Q3_K_M", *flags, "--quiet"]) == 0
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    quantize_like_llama(_first(set_dir), ref / "Kimi-K3-Q3_K_M.gguf", "Q3_K_M", *flags)
+    assert not _same(set_dir / "Q3_K_M", ref)
+    capsys.readouterr()
+    for bad, said in (("k3lab.x=bool:yes", "true or false"), ("k3lab.x=list:1", "int, float, bool or str"),
+                      ("=int:1", "a key of 1 to 127 bytes")):  # fmt: skip
+        assert main(["quantize", str(set_dir), "--type", "Q2_K", "--override-kv", bad, "--quiet"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], err
+
+
 def test_convert_with_variants_makes_the_same_files_on_two_processes(tiny_src: Path, tmp_path: Path) -> None:
     """``convert --variants`` makes file k's variants right after file k, on the worker that made it:
     the same bytes as quantising the finished set (``quantize``)."""

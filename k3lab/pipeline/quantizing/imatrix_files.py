@@ -39,6 +39,8 @@ class IMatrixUse:
     path: str = ""
     commit: str = ""
     endpoint: str = ""
+    include: tuple[str, ...] = ()  # --include-weights: only the entries whose names hold one of these
+    exclude: tuple[str, ...] = ()  # --exclude-weights: not the entries whose names hold one of these
 
     def made_from(self) -> str:
         """A comment line on what k3lab made this imatrix from (its calibration text), when it did."""
@@ -62,6 +64,8 @@ class IMatrixUse:
             "chunk_count": ix.chunk_count,
             "chunk_size": ix.chunk_size,
             "calibration": list(ix.calibration),
+            **({"include": list(self.include)} if self.include else {}),
+            **({"exclude": list(self.exclude)} if self.exclude else {}),
             "entries": [e.to_json() for e in ix.entries.values()],
         }
 
@@ -74,8 +78,23 @@ class IMatrixUse:
         hub = data.get("hub") or ["", "", "", ""]
         ident = tuple(sorted((str(k), int(v)) for k, v in (data.get("identity") or {}).items()))
         return cls(
-            str(data["location"]), str(data["shown"]), str(data["sha256"]), index, ident, *map(str, hub)
-        )
+            str(data["location"]), str(data["shown"]), str(data["sha256"]), index, ident, *map(str, hub),
+            tuple(map(str, data.get("include", ()))), tuple(map(str, data.get("exclude", ()))),
+        )  # fmt: skip
+
+    def filtered(self, include: tuple[str, ...], exclude: tuple[str, ...]) -> IMatrixUse | None:
+        """llama-quantize's ``--include-weights``/``--exclude-weights``: the entries whose names hold
+        one of ``include`` (when given), without those holding one of ``exclude``; None when none is
+        left (llama-quantize then quantises as without an imatrix, and records none)."""
+        import dataclasses
+
+        entries = {n: e for n, e in self.index.entries.items() if not any(x in n for x in exclude)}
+        if include:
+            entries = {n: e for n, e in entries.items() if any(x in n for x in include)}
+        if not entries:
+            return None
+        index = dataclasses.replace(self.index, entries=entries)
+        return dataclasses.replace(self, index=index, include=include, exclude=exclude)
 
 
 HUB = re.compile(r"(?P<repo>[^/:@\s]+/[^/:@\s]+):(?P<path>[^@\s]+?)(?:@(?P<rev>[^@\s]+))?")

@@ -207,6 +207,9 @@ class QuantSpec:
     pure: bool = False
     leave_output_tensor: bool = False
     type_file: str | None = None  # the --tensor-type-file the overrides were read from (the command says it)
+    kv_overrides: tuple[
+        tuple[str, str, str], ...
+    ] = ()  # --override-kv KEY=TYPE:VALUE, as given (key, type, value)
 
     def __post_init__(self) -> None:
         ftype(self.ftype)
@@ -231,6 +234,7 @@ class QuantSpec:
             "pure": self.pure,
             "leave_output_tensor": self.leave_output_tensor,
             **({"type_file": self.type_file} if self.type_file else {}),
+            **({"kv_overrides": [list(o) for o in self.kv_overrides]} if self.kv_overrides else {}),
         }
 
     @classmethod
@@ -243,6 +247,7 @@ class QuantSpec:
             bool(data.get("pure", False)),
             bool(data.get("leave_output_tensor", False)),
             data.get("type_file") or None,
+            tuple((str(k), str(t), str(v)) for k, t, v in data.get("kv_overrides", ())),
         )
 
 

@@ -31,6 +31,12 @@ def variant_kvs(kvs: list[KV], spec: QuantSpec, imatrix: IMatrixUse | None, spli
         KV(Keys.General.QUANTIZATION_VERSION, QNT_VERSION, GGUFValueType.UINT32),
         KV(Keys.General.FILE_TYPE, spec.file_type.number, GGUFValueType.UINT32),
     ]
+    for (
+        key,
+        kind,
+        value,
+    ) in spec.kv_overrides:  # (each set as ggml sets it: the old one removed, this one last)
+        out = [kv for kv in out if kv.key != key] + [override_kv(key, kind, value)]
     if imatrix is not None:
         ix = imatrix.index
         out.append(KV(IMATRIX_KEYS[0], _strncpy(imatrix.shown), GGUFValueType.STRING))
@@ -40,6 +46,27 @@ def variant_kvs(kvs: list[KV], spec: QuantSpec, imatrix: IMatrixUse | None, spli
         if ix.chunk_count > 0:
             out.append(KV(IMATRIX_KEYS[3], ix.chunk_count, GGUFValueType.UINT32))
     return out + split
+
+
+def override_kv(key: str, kind: str, value: str) -> KV:
+    """``--override-kv KEY=TYPE:VALUE`` as llama-quantize writes it: ``int`` as a u32 of its absolute
+    value (``atol``, then ``(uint32_t)std::abs``), ``float`` as an f32 (``atof``), ``bool``, ``str``."""
+    import re
+
+    import numpy as np
+
+    if kind == "int":
+        m = re.match(r"\s*[+-]?\d+", value)
+        number = abs(int(m.group(0))) if m else 0
+        return KV(key, number % (1 << 32), GGUFValueType.UINT32)
+    if kind == "float":
+        m = re.match(
+            r"\s*[+-]?(?:\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?|inf(?:inity)?|nan)", value, re.I
+        )
+        return KV(key, float(np.float32(float(m.group(0)) if m else 0.0)), GGUFValueType.FLOAT32)
+    if kind == "bool":
+        return KV(key, value == "true", GGUFValueType.BOOL)
+    return KV(key, value, GGUFValueType.STRING)
 
 
 def _strncpy(text: str) -> str:

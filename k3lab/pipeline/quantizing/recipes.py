@@ -93,7 +93,9 @@ def recipe(name: str) -> Recipe:
     return found
 
 
-def command(spec: QuantSpec, first: str, out: str, imatrix: str | None, keep_split: bool) -> str:
+def command(
+    spec: QuantSpec, first: str, out: str, imatrix: str | None, keep_split: bool, weights: tuple = ((), ())
+) -> str:
     """The ``llama-quantize`` command (of the tree llama-cpp-python 0.3.36 vendors) that makes the
     same bytes: ``first`` the set's (first) file, ``out`` the output name."""
     import shlex
@@ -102,6 +104,8 @@ def command(spec: QuantSpec, first: str, out: str, imatrix: str | None, keep_spl
     flags.append("--allow-requantize")
     if imatrix:
         flags += ["--imatrix", imatrix]
+        flags += [x for name in weights[0] for x in ("--include-weights", name)]
+        flags += [x for name in weights[1] for x in ("--exclude-weights", name)]
     if spec.type_file:  # (every override from one file: the file, as given)
         flags += ["--tensor-type-file", spec.type_file]
     else:
@@ -111,6 +115,7 @@ def command(spec: QuantSpec, first: str, out: str, imatrix: str | None, keep_spl
         flags += ["--output-tensor-type", spec.output_tensor_type.lower()]
     if spec.token_embedding_type:
         flags += ["--token-embedding-type", spec.token_embedding_type.lower()]
+    flags += [x for k, t, v in spec.kv_overrides for x in ("--override-kv", f"{k}={t}:{v}")]
     flags += ["--pure"] if spec.pure else []
     flags += ["--leave-output-tensor"] if spec.leave_output_tensor else []
     return shlex.join(["llama-quantize", *flags, first, out, spec.ftype])

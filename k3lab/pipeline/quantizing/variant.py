@@ -156,7 +156,9 @@ class VariantPlan:
             self.label,
             f"{self.basename}-{self.label}.gguf" if self.keep_split else self.files[0].filename,
         )
-        return command(self.spec, first, out, self.imatrix.shown if self.imatrix else None, self.keep_split)
+        im = self.imatrix
+        weights = (im.include, im.exclude) if im is not None else ((), ())
+        return command(self.spec, first, out, im.shown if im else None, self.keep_split, weights)
 
     def made_as(self) -> str:
         """``command()`` for the manifest and the card, and what the imatrix was made from."""
