@@ -493,3 +493,40 @@ def test_the_040b_shape_and_a_real_width_layer_set_are_llama_imatrixs(
     tmp = tmp_path_factory.mktemp(f"{preset}-run")
     flags = ("-c", "512", "--chunks", "4", "--process-output")
     _same(_ours(out, tmp, *flags), _judge(_first(out), tmp, *flags))
+
+
+def test_a_state_file_edited_between_runs_is_not_taken(widths_set: Path, tmp_path: Path, monkeypatch) -> None:
+    """A run stopped after a few steps; then an array of its state has bytes changed (its size kept)
+    and a step's record is cut short: the next run proves neither, makes them again, and writes the
+    file a clean run writes."""
+    from k3lab.pipeline.calibrating import run
+
+    set_dir = tmp_path / "set"
+    shutil.copytree(widths_set, set_dir)
+    shutil.copy(TEXT, tmp_path / "calib.txt")
+    args = ["imatrix", str(set_dir), "--calibration", str(tmp_path / "calib.txt"), "-c", "64", "--chunks", "6",
+            "--quiet"]  # fmt: skip
+    real, calls = run._retire, []
+
+    def stop_after_three(*a: object) -> None:
+        real(*a)
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "_retire", stop_after_three)
+    assert main(args) != 0
+    monkeypatch.setattr(run, "_retire", real)
+    state = set_dir / ".k3lab" / "imatrix"
+    arrays = sorted(state.glob("x.*.f32"))
+    assert arrays and (state / "step-002.json").exists()
+    data = bytearray(arrays[-1].read_bytes())
+    data[len(data) // 2] ^= 0x55
+    arrays[-1].write_bytes(bytes(data))  # (same size, other bytes, a new identity)
+    record = (state / "step-001.json").read_bytes()
+    (state / "step-001.json").write_bytes(record[: len(record) // 2])
+    assert main(args) == 0
+    clean = tmp_path / "clean"
+    shutil.copytree(widths_set, clean)
+    assert main(["imatrix", str(clean), *args[2:]]) == 0
+    assert (set_dir / "imatrix.gguf").read_bytes() == (clean / "imatrix.gguf").read_bytes()
