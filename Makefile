@@ -31,7 +31,8 @@ $(STAMPS)/.k3lab-installed: pyproject.toml | venv
 # once; where it cannot (no compiler), the demo runs without those steps and says so
 $(STAMPS)/.k3lab-installed-demo: $(STAMPS)/.k3lab-installed
 	@echo "k3lab: building llama.cpp through llama-cpp-python (about 10 minutes on 2 cores, once)"
-	@$(PY) -m pip install -v -e '.[llama]' 2>&1 | $(PY) .ci/build-progress \
+	@$(PY) -m pip install -v -e '.[llama]' 2>&1 | $(PY) .ci/build-progress; \
+	  $(PY) -c "import llama_cpp" 2>/dev/null \
 	  || echo "k3lab: llama.cpp could not be built here (a C and C++ compiler?): the demo runs without its variant and chat"
 	@touch $@
 

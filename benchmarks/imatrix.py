@@ -88,7 +88,8 @@ def _graph_bytes(
     import numpy as np
 
     from k3lab.formats.ggml import TYPE_IDS
-    from k3lab.formats.ggml_compute import Graph, Tensor, _Context, lib, row_size
+    from k3lab.formats.ggml_compute import Graph, Tensor, _Context
+    from k3lab.formats.ggml_lib import lib, row_size
     from k3lab.formats.ggml_weights import repacked
     from k3lab.kimi_k3.calibration import CALIBRATION
     from k3lab.pipeline.calibrating.batches import ubatches
@@ -125,7 +126,7 @@ def _graph_bytes(
 def _forecast(tmp: Path, rss_512: int) -> list[tuple[str, str, str]]:
     """The real model: a MoE layer's time per 100 chunks of 512 on this machine's cores, the whole
     model on one machine and on a worker per layer, memory per task, the state between layers."""
-    from k3lab.imatrix import compute
+    from k3lab.imatrix import command_values, compute
     from k3lab.kimi_k3.calibration import CALIBRATION
     from k3lab.kimi_k3.model import MODEL
     from k3lab.pipeline.calibrating.sets import local_set
@@ -134,9 +135,8 @@ def _forecast(tmp: Path, rss_512: int) -> list[tuple[str, str, str]]:
 
     # the set's steps, timed one by one (in this process: the MoE layer's step alone)
     stamps: list[tuple[float, str]] = []
-    args = type("A", (), dict(calibration=str(tmp / "calib.txt"), chunk_size=512, chunks=8, out=str(tmp / "t.gguf"),
-                              process_output=False, in_file=None, output_format="gguf", parse_special=True,
-                              threads=None))()  # fmt: skip
+    args = command_values(str(tmp / "calib.txt"), 512, 8, out=str(tmp / "t.gguf"))
+    args.parse_special = True
     compute(Request(out_dir=str(tmp / "set")), args, lambda line: stamps.append((time.perf_counter(), line)))
     stamps.append((time.perf_counter(), "end"))
     steps = {stamps[i][1]: stamps[i + 1][0] - stamps[i][0] for i in range(len(stamps) - 1)}

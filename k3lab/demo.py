@@ -126,15 +126,11 @@ VARIANT = "IQ2_XXS"  # a size people run of Kimi-K3 (2.06 bits a weight), one th
 def _variant(req: Request, out: Path, step: Any) -> bool:
     """The sizes people run: the set's importance matrix (k3lab's own calibration text, a layer at a
     time), a variant made with it (byte for byte llama-quantize's), its every byte checked."""
-    from types import SimpleNamespace
-
     from k3lab import imatrix
     from k3lab.variants import VariantRequest, quantize
 
     t = time.perf_counter()
-    args = SimpleNamespace(calibration=None, chunk_size=128, chunks=8, out=None, process_output=False,
-                           in_file=None, output_format="gguf", parse_special=False, threads=None)  # fmt: skip
-    made = imatrix.compute(req, args)
+    made = imatrix.compute(req, imatrix.command_values(chunk_size=128, chunks=8))
     got, total = imatrix.statistics(made.path).coverage.reached()
     step("imatrix", t, f"{made.path.name}: {made.chunks} chunks of {made.chunk_size} tokens of k3lab's own text, "
          f"a layer at a time ({got} of {total} experts reached)")  # fmt: skip

@@ -21,7 +21,7 @@ def compute(req: Any, args: Any, say: Say | None = None) -> Any:
     ``req.scheduler`` (``args``: the command's values, or a notebook's)."""
     from k3lab import values
     from k3lab.pipeline.calibrating import sets
-    from k3lab.pipeline.calibrating.run import compute_imatrix
+    from k3lab.pipeline.calibrating.run import compute_imatrix, compute_until_covered
     from k3lab.pipeline.state import OutputFolder
 
     if not req.out_dir:
@@ -31,16 +31,16 @@ def compute(req: Any, args: Any, say: Say | None = None) -> Any:
     stages = None
     try:
         if req.scheduler:
-            from k3lab.pipeline.calibrating.cluster import dask_stages
+            from k3lab.pipeline.calibrating.cluster import DaskStages
 
-            stages = dask_stages(req.scheduler)
+            stages = DaskStages(req.scheduler)
         if not values.is_repo(req.out_dir):
             if req.revision:
                 raise K3LabError(f"--revision is for a set on the Hub; {req.out_dir} is a folder")
             folder = OutputFolder(req.out_dir)
             calib_set = sets.local_set(model, folder)
             if getattr(args, "until_covered", False):
-                return _until_covered(model, calib_set, folder, opts, say, stages)
+                return compute_until_covered(model, calib_set, folder, opts, say, stages)
             return compute_imatrix(model, calib_set, folder, opts, say, stages)
         if not opts.out:
             raise K3LabError(f"imatrix {req.out_dir}: give --out FILE (its folder keeps the run's state)")
@@ -57,33 +57,7 @@ def compute(req: Any, args: Any, say: Say | None = None) -> Any:
             return compute_imatrix(model, calib_set, folder, opts, say, stages)
     finally:
         if stages is not None:
-            stages.client.close()  # type: ignore[attr-defined]
-
-
-def _until_covered(model: Any, calib_set: Any, folder: Any, opts: Any, say: Say | None, stages: Any) -> Any:
-    """``--until-covered``: the imatrix of ``--chunks`` chunks (8 by default), then of twice as many,
-    and so on, until every expert of every stack is reached or the text has no more chunks: the
-    imatrix of the fewest chunks (doubling) that cover them, exactly llama-imatrix's of that many."""
-    import dataclasses
-
-    from k3lab.pipeline.calibrating.coverage import coverage
-    from k3lab.pipeline.calibrating.run import compute_imatrix
-
-    chunks = opts.chunks or 8
-    while True:
-        result = compute_imatrix(
-            model, calib_set, folder, dataclasses.replace(opts, chunks=chunks), say, stages
-        )
-        got, total = coverage(result.entries).reached()
-        if got == total or result.chunks < chunks:  # (covered, or the text has no more)
-            if got < total and say is not None:
-                say(
-                    f"imatrix: the text ends at {result.chunks} chunks with {total - got} of {total} experts never reached"
-                )
-            return result
-        if say is not None:
-            say(f"imatrix: {chunks} chunks reach {got} of {total} experts: {2 * chunks} next")
-        chunks *= 2
+            stages.close()
 
 
 @contextlib.contextmanager
@@ -106,6 +80,23 @@ def _nothing_left_unless_begun(folder: Any) -> Iterator[Path]:
                 with contextlib.suppress(OSError):
                     os.rmdir(p)
         raise
+
+
+def command_values(
+    calibration: str | None = None,
+    chunk_size: int = 512,
+    chunks: int | None = None,
+    out: str | None = None,
+    threads: int | None = None,
+    until_covered: bool = False,
+) -> Any:
+    """The command's values as a notebook, the demo or another command gives them (the rest as the
+    command's defaults): what ``compute`` takes."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(calibration=calibration, chunk_size=chunk_size, chunks=chunks, out=out,
+                           process_output=False, in_file=None, output_format="gguf", parse_special=False,
+                           threads=threads, until_covered=until_covered)  # fmt: skip
 
 
 def default_text(model: Any) -> Path:
@@ -150,7 +141,6 @@ def convert_then_variants(req: Any, asked: Any, text: str, say: Say | None = Non
     (recorded with the set), the variants made with it, and with ``--push-to`` the imatrix published
     beside the set. Every flag checked before any work."""
     import dataclasses
-    from types import SimpleNamespace
 
     from k3lab import request
     from k3lab.variants import quantize
@@ -173,10 +163,7 @@ def convert_then_variants(req: Any, asked: Any, text: str, say: Say | None = Non
         raise K3LabError("--out-dir: give the folder to write the set into")
     asked.build()  # (the variant flags checked before anything is converted)
     converted = request.convert(req, say)
-    args = SimpleNamespace(
-        calibration=None if text == "own" else text, chunk_size=512, chunks=None, out=None, process_output=False,
-        in_file=None, output_format="gguf", parse_special=False, threads=asked.threads,
-    )  # fmt: skip
+    args = command_values(None if text == "own" else text, threads=asked.threads)
     set_req = dataclasses.replace(req, repo=None, revision=None, scheduler=req.scheduler)
     made = compute(set_req, args, say)
     variants = quantize(req, dataclasses.replace(asked, imatrix=str(made.path)), say)

@@ -236,67 +236,26 @@ def describe(plans: list[Any]) -> str:
     return "\n".join(lines)
 
 
-FTYPE_OF = {"Q2_K": "Q2_K", "Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M", "Q6_K": "Q6_K", "Q8_0": "Q8_0",
-            "IQ1_S": "IQ1_S", "IQ1_M": "IQ1_M", "IQ2_XXS": "IQ2_XXS", "IQ2_XS": "IQ2_XS", "IQ2_S": "IQ2_S",
-            "IQ3_XXS": "IQ3_XXS", "IQ3_S": "IQ3_S", "IQ4_XS": "IQ4_XS", "MXFP4": "MXFP4_MOE", "BF16": "BF16",
-            "F16": "F16"}  # fmt: skip
-
-
-def _ftype_of(tables: list[Any], types: dict[str, str]) -> str:
-    """The file type a mix is named by (``general.file_type``, llama-quantize's argument): its type of
-    the most bytes among the tensors it changes."""
-    import collections
-
-    weight: collections.Counter = collections.Counter()
-    for t in tables:
-        if types[t.name] != t.type:
-            weight[types[t.name]] += next(o.nbytes for o in t.options if o.type == types[t.name])
-    return FTYPE_OF.get(weight.most_common(1)[0][0] if weight else "Q8_0", "Q8_0")
-
-
-def _variant_bytes(vp: Any) -> int:
-    """A variant's files' bytes, counted without writing them (their headers as written)."""
-    from gguf import GGMLQuantizationType
-
-    from k3lab.formats.ggml import TYPE_IDS
-    from k3lab.formats.gguf_stream import TensorInfo, file_size
-
-    return sum(
-        file_size(
-            None,
-            vp.file_kvs(f.number),
-            [TensorInfo(t.name, GGMLQuantizationType(TYPE_IDS[t.type]), t.shape) for t in f.tensors],
-        )  # fmt: skip
-        for f in vp.files
-    )
-
-
-FLOOR = "Q2_K"  # --fit's default floor for what every token passes through: never the 1-bit types
-
-
 def fit(
     req: Any,
     asked: VariantRequest,
     size: str,
     rows: int | None = None,
     say: Say | None = None,
-    floor: str = FLOOR,
+    floor: str = "Q2_K",
 ) -> Any:
-    """``k3lab quantize SET --fit SIZE``: the mix that loses least within SIZE bytes (the cost tables
-    of the set's tensors, computed where missing, with the set's imatrix: ``--imatrix``, else
-    ``SET/imatrix.gguf`` when there is one), written as llama-quantize's ``--tensor-type-file``
-    (``SET/LABEL.tensor-types.txt``) and made as the variant LABEL: (the fit, the files made)."""
-    import re
+    """``k3lab quantize SET --fit SIZE``: the mix that loses least within SIZE bytes (``fit.choose_mix``,
+    with the set's imatrix: ``--imatrix``, else ``SET/imatrix.gguf`` when there is one), written as
+    llama-quantize's ``--tensor-type-file`` (``SET/LABEL.tensor-types.txt``) and made as the variant
+    LABEL: (the fit, the files made). ``floor``: ``--fit-floor``."""
     from pathlib import Path
 
     from k3lab.cli_flags import TYPE_FILE
     from k3lab.pipeline.planning.split import parse_size
-    from k3lab.pipeline.quantizing.costs import ROWS, set_tables
-    from k3lab.pipeline.quantizing.fit import fit as fit_mix
+    from k3lab.pipeline.quantizing.costs import ROWS
+    from k3lab.pipeline.quantizing.fit import choose_mix, floor_bits
     from k3lab.pipeline.quantizing.imatrix_files import open_imatrix
-    from k3lab.pipeline.quantizing.llama_types import QuantSpec
-    from k3lab.pipeline.quantizing.start import plan_variants
-    from k3lab.pipeline.quantizing.variant import Variant, check_label
+    from k3lab.pipeline.quantizing.variant import check_label
     from k3lab.pipeline.state import OutputFolder
     from k3lab.pipeline.state.codec import write_atomically
 
@@ -304,43 +263,19 @@ def fit(
         raise K3LabError("quantize --fit: give the folder of a converted set")
     if asked.variants or asked.tensor_type or asked.pure:
         raise K3LabError("--fit chooses every tensor's type: no --type, --tensor-type or --pure with it")
-    budget = parse_size(size, "--fit")
+    budget, bits = parse_size(size, "--fit"), floor_bits(floor)
     label = check_label(asked.label or f"fit-{size}")
     folder = OutputFolder(req.out_dir)
     plan = folder.plans.require(req.load_model())
     own = folder.path / "imatrix.gguf"
     location = asked.imatrix or (str(own) if own.is_file() else None)
     use = open_imatrix(location) if location else None
-    (reference,) = plan_variants(plan, folder.plans.kvs(plan), [Variant("fit", QuantSpec("Q8_0"), use)], True)
-    tables, fixed = set_tables(folder, reference, rows or ROWS, say)
-    headers = sum(r.data_start for k in range(1, len(plan.files) + 1) if (r := folder.records.text(k)))
-    from k3lab.formats.ggml import TYPE_IDS, ggml
-    from k3lab.pipeline.quantizing.fit import floored
-
-    up = floor.upper()
-    if up != "NONE" and up not in TYPE_IDS:
-        raise K3LabError(f"--fit-floor {floor!r}: a ggml type (Q4_K, Q6_K ...) or none")
-    tr = ggml().traits(TYPE_IDS[up]) if up != "NONE" else None
-    bits = 8 * tr.block_bytes / tr.block if tr is not None else 0.0
-    kvs = folder.plans.kvs(plan)
-    target, fitted = budget, None
-    for _ in range(8):  # (the files' headers counted exactly: the fit again within what they leave)
-        fitted = fit_mix(floored(tables, bits), target, fixed + headers)
-        ftype = _ftype_of(tables, fitted.types)
-        overrides = tuple((f"^{re.escape(n)}$", t) for n, t in sorted(fitted.types.items()))
-        (vp,) = plan_variants(plan, kvs, [Variant(label, QuantSpec(ftype, overrides), use)])
-        size = _variant_bytes(vp)
-        if size <= budget:
-            break
-        target -= size - budget
-    else:
-        raise K3LabError(f"--fit {size}: no mix found within the budget with its files' headers")
-    fitted = dataclasses.replace(fitted, nbytes=size)
+    fitted, ftype = choose_mix(folder, plan, label, use, budget, bits, rows or ROWS, say)
     type_file = Path(req.out_dir) / f"{label}.tensor-types.txt"
     write_atomically(type_file, lambda fh: fh.write(fitted.type_file().encode()))
     if say is not None:
-        say(f"--fit {size}: {len(tables)} tensors, {fitted.nbytes:,} bytes planned (the smallest mix "
-            f"{fitted.smallest:,}, the lossless set {fitted.largest:,}), loss {fitted.loss:.4g}; {type_file}")  # fmt: skip
+        say(f"--fit {size}: {len(fitted.types)} tensors, {fitted.nbytes:,} bytes (the smallest mix {fitted.smallest:,}, "
+            f"the lossless set {fitted.largest:,}), loss {fitted.loss:.4g}; {type_file}")  # fmt: skip
     chosen = dataclasses.replace(
         asked, variants=ftype, label=label, imatrix=location, tensor_type=(TYPE_FILE + str(type_file),)
     )

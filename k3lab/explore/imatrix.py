@@ -4,7 +4,6 @@ imatrix of a set is made as ``k3lab imatrix`` makes it (a layer at a time) when 
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -26,14 +25,10 @@ def ensure_imatrix(
     path = Path(out_dir) / "imatrix.gguf"
     if path.exists():
         return path
-    from k3lab.imatrix import compute
+    from k3lab.imatrix import command_values, compute
     from k3lab.request import Request
 
-    args = SimpleNamespace(
-        calibration=calibration, chunk_size=chunk_size, chunks=chunks, out=None, process_output=False,
-        in_file=None, output_format="gguf", parse_special=False, threads=None,
-    )  # fmt: skip
-    return compute(Request(out_dir=str(out_dir)), args).path
+    return compute(Request(out_dir=str(out_dir)), command_values(calibration, chunk_size, chunks)).path
 
 
 def statistics(path: str | Path) -> Any:

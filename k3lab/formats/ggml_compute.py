@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from k3lab.formats.ggml import TYPE_IDS, GGMLError
-from k3lab.formats.ggml_lib import _BASE, TensorHead, _InitParams, lib, row_size  # noqa: F401 (row_size: re-exported)
+from k3lab.formats.ggml_lib import _BASE, TensorHead, _InitParams, lib
 
 F32, F16, I32 = TYPE_IDS["F32"], TYPE_IDS["F16"], TYPE_IDS["I32"]
 PREC_F32 = 10  # enum ggml_prec
@@ -165,17 +165,14 @@ class Graph:
     intermediates with ggml's graph allocator (memory reused as tensors die, as llama.cpp's scheduler
     does; the tensors read afterwards, the products' inputs and what ``expand`` names, kept whole)
     and runs it on ``threads`` (the allocator and the work buffer: the ``arena``'s, reused by the next
-    graph, or the graph's own). ``measure=True``: nothing computed; ``needed`` counts its tensors'
-    bytes (an upper bound) and ``reserve()`` says what the allocator would take. Use as a context
-    manager: its memory goes on exit."""
+    graph, or the graph's own). ``measure=True``: nothing computed; ``reserve()`` says what the
+    allocator would take. Use as a context manager: its memory goes on exit."""
 
     MAX_NODES = 8192
-    ALIGN = 16  # GGML_MEM_ALIGN: each tensor's memory is padded to it
     VIEWS = frozenset(f"ggml_{n}" for n in ("view_2d", "view_3d", "view_4d", "permute", "transpose",
                                             "reshape_2d", "reshape_3d", "reshape_4d"))  # fmt: skip
 
-    def __init__(self, size: int = 0, threads: int = 1, measure: bool = False, arena: Arena | None = None):
-        del size  # (the allocator sizes the graph's memory)
+    def __init__(self, threads: int = 1, measure: bool = False, arena: Arena | None = None):
         self.measure = measure
         self._arena = arena if arena is not None else Arena()
         self._own_arena = arena is None
@@ -183,7 +180,6 @@ class Graph:
         self.threads = max(1, threads)
         self._L = lib().base
         self._graph = self._L.ggml_new_graph_custom(self._ctx.ptr, self.MAX_NODES, False)
-        self.needed = 0  # bytes of the tensors made so far (views counted too: an upper bound)
         # every matrix product made: what llama-imatrix's callback is asked about; their inputs can
         # be read once the graph has run
         self.products: list[Product] = []
@@ -206,20 +202,14 @@ class Graph:
         a = np.ascontiguousarray(array, dtype=dtype)
         t = self._ctx.new(type_id, tuple(reversed(a.shape)) or (1,))
         self._L.ggml_set_input(t)
-        self._count(t)
         self._fills.append((t, None if self.measure else a))
         return Tensor(t)
 
     def zeros(self, ne: tuple[int, ...], type_id: int = F32) -> Tensor:
         t = self._ctx.new(type_id, ne)
         self._L.ggml_set_input(t)
-        self._count(t)
         self._fills.append((t, None))
         return Tensor(t)
-
-    def _count(self, ptr: int) -> None:
-        n = self._L.ggml_nbytes(ptr)
-        self.needed += n + -n % self.ALIGN
 
     # --- operations ---
     def _op(self, name: str, *args: object) -> Tensor:
@@ -229,7 +219,6 @@ class Graph:
             raise GGMLError(f"{name}: ggml made no tensor")
         if name in self.VIEWS and isinstance(args[0], Tensor):
             self._view_of[ptr] = args[0].ptr
-        self._count(ptr)
         return Tensor(ptr)
 
     def _keep(self, t: Tensor | None) -> None:

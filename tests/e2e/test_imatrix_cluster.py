@@ -70,6 +70,14 @@ def test_two_workers_that_share_no_folder_compute_one_machines_imatrix(
             (path, rng) for method, path, rng in hub.requests if method == "GET" and path.endswith(".gguf")
         ]
         assert reads and all(rng for _, rng in reads), reads[:5]
+        # the bytes served: every tensor once (a worker reads only its step's), and file 1's header
+        # twice (the client's metadata and vocabulary; its range read by the parser, then whole)
+        served = sum(n for path, _, n in hub.served if path.endswith(".gguf"))
+        files = sorted(p for p in tiny_out.glob("*.gguf"))
+        import gguf
+
+        header = gguf.GGUFReader(files[0]).tensors[0].data_offset
+        assert served <= sum(p.stat().st_size for p in files) + 3 * header, (served, header)
         for d in worker_dirs:
             assert not [p for p in d.rglob("*.gguf")], d
         # the client's folder holds the imatrix and the run's plan alone
@@ -145,3 +153,43 @@ def test_the_imatrix_is_one_of_the_sets_files_published_and_verified(tiny_out: P
     (out / "imatrix.gguf").write_bytes(bytes(data))
     r = run_cli(None, "verify", str(out))
     assert r.returncode == 1 and "imatrix.gguf" in r.stdout, r.stdout
+
+
+def test_ctrl_c_of_the_client_stops_the_cluster_run_and_nothing_is_written_after(
+    tiny_out: Path, tmp_path: Path
+) -> None:
+    """Ctrl-C while the workers read their layers (the Hub slowed): the client exits non-zero, leaves
+    no half-written file and no imatrix, and writes nothing once it has exited."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "cluster").mkdir()
+    with (
+        HubServer(_published(tiny_out, tmp_path), repo=REPO) as hub,
+        dask_cluster(tmp_path / "cluster") as (
+            address,
+            _,
+        ),
+    ):
+        hub.link = 200_000.0  # (bytes a second, every answer together: the layers take seconds to read)
+        out = tmp_path / "run" / "imatrix.gguf"
+        run = subprocess.Popen(
+            [sys.executable, "-m", "k3lab.cli", "imatrix", REPO, "--out", str(out), "--scheduler", address, *FLAGS],
+            env=hub.client_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )  # fmt: skip
+        state = out.parent / ".k3lab" / "imatrix"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (state / "plan.json").exists():
+            time.sleep(0.05)
+        time.sleep(1.0)
+        assert run.poll() is None, "the run ended before Ctrl-C: slow the Hub down"
+        run.send_signal(signal.SIGINT)
+        _, err = run.communicate(timeout=120)
+        assert run.returncode != 0, err
+        before = {str(p): p.stat().st_mtime_ns for p in out.parent.rglob("*") if p.is_file()}
+        assert not out.exists() and not [p for p in before if p.endswith(".partial")], before
+        time.sleep(3)
+        assert {str(p): p.stat().st_mtime_ns for p in out.parent.rglob("*") if p.is_file()} == before

@@ -336,7 +336,7 @@ def test_one_ggml_in_the_process_and_nothing_said_of_its_repacking(tiny_one: Pat
         "from k3lab.cli import main\n"
         "code = main(sys.argv[1:])\n"
         "maps = {l.split()[-1] for l in open(f'/proc/{os.getpid()}/maps') if 'libggml-base' in l}\n"
-        "print(sorted(maps))\n"
+        "print(__import__('json').dumps(sorted(maps)))\n"
         "sys.exit(code)\n"
     )
     done = subprocess.run(
@@ -345,7 +345,7 @@ def test_one_ggml_in_the_process_and_nothing_said_of_its_repacking(tiny_one: Pat
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    assert len(eval(done.stdout.strip().splitlines()[-1])) == 1, done.stdout
+    assert len(__import__("json").loads(done.stdout.strip().splitlines()[-1])) == 1, done.stdout
     assert "repack" not in done.stderr and all(
         line.startswith("k3lab: ") for line in done.stderr.splitlines()
     ), done.stderr

@@ -11,6 +11,7 @@ bits. On a stop the client waits for no actor: each is released with the client'
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,20 +46,20 @@ class StepActor:
     """One step held by a Dask worker (created with ``actor=True``)."""
 
     def __init__(self, spec: StepSpec):
-        from k3lab.pipeline.calibrating.run import _threads
         from k3lab.pipeline.calibrating.step import StepRun
+        from k3lab.pipeline.quantizing.quantize import threads
 
         self.reader = spec.source.open(spec.tensors)
         try:
             sums = Sums(spec.process_output, start={n: Entry(v, c) for n, (v, c) in spec.start.items()})
             self.step_run = StepRun(spec.model, spec.kvs, spec.step, spec.tensors, self.reader, spec.n_chunks,
-                                    spec.n_ctx, sums, _threads(spec.threads))  # fmt: skip
+                                    spec.n_ctx, sums, threads(spec.threads).n)  # fmt: skip
         except BaseException:
             self.reader.close()
             raise
 
     def run(self, c: int, tokens: np.ndarray, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self.step_run.chunk(c, tokens, state)
+        return self.step_run.run(c, tokens, state)
 
     def finish(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         return {n: (e.values, e.counts) for n, e in self.step_run.finish().entries.items()}
@@ -90,39 +91,39 @@ class ActorStage:
         return Sums(self.process_output, entries={n: Entry(v, c) for n, (v, c) in got.items()})
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(K3LabError):  # (a worker lost frees its actor's memory with it)
             self._call("close")
-        except K3LabError:
-            pass
 
 
-def dask_stages(scheduler: str) -> Callable[..., tuple[int, Callable[[int, CalibrationStep], Any]]]:
-    """Stages on the cluster at ``scheduler``: a wave as wide as its workers, step i of a wave on
-    worker i."""
-    from distributed import Client
+class DaskStages:
+    """Stages on the cluster at ``scheduler`` (called as ``compute_imatrix``'s ``stages``): a wave as
+    wide as its workers, step i of a wave on worker i; ``close`` lets the cluster go."""
 
-    try:
-        client = Client(scheduler, timeout=60)
-    except OSError as e:
-        raise MachineError(f"--scheduler {scheduler}: cannot reach it ({e})") from None
+    def __init__(self, scheduler: str):
+        from distributed import Client
 
-    def stages(model: Model, kvs: dict[str, Any], calib_set: Any, n_chunks: int, n_ctx: int, options: Any,
-               begun: Sums) -> tuple[int, Callable[[int, CalibrationStep], Any]]:  # fmt: skip
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        self.scheduler = scheduler
+        try:
+            self.client = Client(scheduler, timeout=60)
+        except OSError as e:
+            raise MachineError(f"--scheduler {scheduler}: cannot reach it ({e})") from None
+        self._held: list[Any] = []  # (each actor's future: the actor lives while it is held)
+
+    def __call__(self, model: Model, kvs: dict[str, Any], calib_set: Any, n_chunks: int, n_ctx: int, options: Any,
+                 begun: Sums) -> tuple[int, Callable[[int, CalibrationStep], Any]]:  # fmt: skip
+        workers = sorted(self.client.scheduler_info(n_workers=-1)["workers"])
         if not workers:
-            raise MachineError(f"--scheduler {scheduler}: no workers")
-        order: dict[str, int] = {}
+            raise MachineError(f"--scheduler {self.scheduler}: no workers")
         light_kvs = {k: v for k, v in kvs.items() if not k.startswith("tokenizer.")}  # (no vocabulary sent)
 
         def open_stage(k: int, step: CalibrationStep) -> ActorStage:
-            slot = order.setdefault(step.name, len(order)) % len(workers)
-            address = workers[slot]
+            address = workers[k % len(workers)]  # (a wave's steps are consecutive: one per worker)
             tensors = {n: t for n, t in calib_set.tensors.items() if step.owns(n)}
             start = {n: (e.values, e.counts) for n, e in begun.entries.items() if n in tensors}
             spec = StepSpec(model, light_kvs, step, tensors, calib_set.source, n_chunks, n_ctx, options.process_output,
                             start, options.threads)  # fmt: skip
-            future = client.submit(StepActor, spec, actor=True, workers=[address], allow_other_workers=False,
-                                   pure=False, key=f"k3lab-imatrix-{step.name}-{k}")  # fmt: skip
+            future = self.client.submit(StepActor, spec, actor=True, workers=[address], allow_other_workers=False,
+                                        pure=False, key=f"k3lab-imatrix-{step.name}-{k}")  # fmt: skip
             try:
                 actor = future.result(timeout=ACTOR_TIMEOUT)
             except K3LabError:
@@ -131,11 +132,11 @@ def dask_stages(scheduler: str) -> Callable[..., tuple[int, Callable[[int, Calib
                 raise K3LabError(
                     f"worker {address}: {step.name}: {type(e).__name__}: {str(e)[:400]}"
                 ) from None
-            stage = ActorStage(actor, options.process_output, address)
-            stage.future = future  # type: ignore[attr-defined]  # (held: the actor lives while it does)
-            return stage
+            self._held.append(future)
+            return ActorStage(actor, options.process_output, address)
 
         return len(workers), open_stage
 
-    stages.client = client  # type: ignore[attr-defined]
-    return stages
+    def close(self) -> None:
+        self._held.clear()
+        self.client.close()

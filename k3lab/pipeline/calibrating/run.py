@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import threading
 import time
@@ -46,6 +45,7 @@ from k3lab.pipeline.calibrating.tokens import chunks as cut_chunks
 from k3lab.pipeline.calibrating.tokens import tokenize
 from k3lab.pipeline.calibrating.waves import Array, Stage, StepDone, run_wave
 from k3lab.pipeline.model import CalibrationStep, Model
+from k3lab.pipeline.quantizing.quantize import threads as cores
 from k3lab.pipeline.state import OutputFolder
 from k3lab.pipeline.state.calibration import CalibrationState
 
@@ -79,13 +79,6 @@ class ImatrixResult:
     seconds: float
     entries: dict[str, Entry] = field(default_factory=dict)
     text: CalibrationText | None = None
-
-
-def _threads(n: int | None) -> int:
-
-    if n is not None:
-        return max(1, n)
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 # --- the whole run --------------------------------------------------------------------------------
@@ -158,7 +151,7 @@ def compute_imatrix(
     stages: Callable[..., Any] | None = None,
 ) -> ImatrixResult:
     """The imatrix of ``calib_set``, its state in ``folder`` (see the module's docstring).
-    ``stages``: where steps run (``cluster.dask_stages``: a wave on every Dask worker; default: one
+    ``stages``: where steps run (``cluster.DaskStages``: a wave on every Dask worker; default: one
     step at a time in this process)."""
     t0 = time.perf_counter()
     body, text, begun = plan_imatrix(model, calib_set, options)
@@ -169,7 +162,7 @@ def compute_imatrix(
     n_ctx = options.chunk_size
     tokens = np.asarray(body["tokens"], dtype=np.int32).reshape(-1, n_ctx)
     n_chunks = tokens.shape[0]
-    threads = _threads(options.threads)
+    threads = cores(options.threads).n
     state = CalibrationState(folder.state)
     halt = threading.Event()
     with folder.hold():
@@ -237,33 +230,47 @@ def compute_imatrix(
     return ImatrixResult(out, done, skipped, n_chunks, n_ctx, time.perf_counter() - t0, total.entries, text)
 
 
+def compute_until_covered(
+    model: Model,
+    calib_set: CalibrationSet,
+    folder: OutputFolder,
+    opts: ImatrixOptions,
+    say: Callable[[str], None] | None = None,
+    stages: Callable[..., Any] | None = None,
+) -> ImatrixResult:
+    """``--until-covered``: the imatrix of ``--chunks`` chunks (8 by default), then of twice as many,
+    and so on, until every expert of every stack is reached or the text has no more chunks: the
+    imatrix of the fewest chunks (doubling) that cover them, exactly llama-imatrix's of that many."""
+    import dataclasses
+
+    from k3lab.pipeline.calibrating.coverage import coverage
+
+    chunks = opts.chunks or 8
+    while True:
+        result = compute_imatrix(
+            model, calib_set, folder, dataclasses.replace(opts, chunks=chunks), say, stages
+        )
+        got, total = coverage(result.entries).reached()
+        if got == total or result.chunks < chunks:  # (covered, or the text has no more)
+            if got < total and say is not None:
+                say(
+                    f"imatrix: the text ends at {result.chunks} chunks with {total - got} of {total} experts never reached"
+                )
+            return result
+        if say is not None:
+            say(f"imatrix: {chunks} chunks reach {got} of {total} experts: {2 * chunks} next")
+        chunks *= 2
+
+
 def _local_stages(model: Model, kvs: dict[str, Any], calib_set: CalibrationSet, reader: Any, n_chunks: int,
                   n_ctx: int, options: ImatrixOptions, begun: Sums, threads: int) -> Callable[..., Stage]:  # fmt: skip
     """Each step in this process, in turn, reading the set with one reader."""
 
     def open_stage(k: int, step: CalibrationStep) -> Stage:
         sums = Sums(options.process_output, start=begun.entries)
-        return LocalStage(
-            StepRun(model, kvs, step, calib_set.tensors, reader, n_chunks, n_ctx, sums, threads)
-        )
+        return StepRun(model, kvs, step, calib_set.tensors, reader, n_chunks, n_ctx, sums, threads)
 
     return open_stage
-
-
-class LocalStage:
-    """A ``StepRun`` of this process as a wave's stage."""
-
-    def __init__(self, step_run: StepRun):
-        self.step_run = step_run
-
-    def run(self, c: int, tokens: np.ndarray, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self.step_run.chunk(c, tokens, state)
-
-    def finish(self) -> Sums:
-        return self.step_run.finish()
-
-    def close(self) -> None:
-        self.step_run.close()
 
 
 def _already_made(state: CalibrationState, body: dict[str, Any], out: Path) -> Sums | None:

@@ -179,7 +179,7 @@ class _HubReader:
         return _checked(name, f"{self.where}: {t.file}", buf[: rec.nbytes], rec.sha256)
 
     def close(self) -> None:
-        pass
+        """Nothing held: every read is a request of its own."""
 
 
 # --- the two kinds ---

@@ -23,8 +23,9 @@ from k3lab.pipeline.model import CalibrationStep, Model
 
 
 class StepRun:
-    """Step ``step`` over ``n_chunks`` chunks of ``n_ctx`` tokens (``chunk`` for each in order, then
-    ``finish``); ``tensors``: where the step's weights are, ``reader`` reads them."""
+    """Step ``step`` over ``n_chunks`` chunks of ``n_ctx`` tokens (``run`` for each in order, then
+    ``finish``: a wave's ``Stage`` in this process); ``tensors``: where the step's weights are,
+    ``reader`` reads them."""
 
     def __init__(
         self,
@@ -52,7 +53,7 @@ class StepRun:
         infos = [WeightInfo(n, TYPE_IDS[tensors[n].record.type], tuple(tensors[n].record.ne)) for n in names]
         self.weights = Weights(infos, lambda info, into: reader.read(info.name, into))
 
-    def chunk(self, c: int, tokens: np.ndarray, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run(self, c: int, tokens: np.ndarray, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Chunk ``c`` (its tokens, the arrays the step reads): the arrays the step writes."""
         if self.table is not None:
             return {"x": _rows(*self.table, tokens)}

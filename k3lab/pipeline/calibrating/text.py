@@ -66,32 +66,20 @@ def checked(raw: bytes, source: str, dataset: str) -> CalibrationText:
 
 
 def _from_hub(repo: str, path: str, revision: str | None) -> tuple[bytes, str]:
-    """The file at one pinned commit, through k3lab's bounded transport."""
-    from huggingface_hub import HfApi
-
-    from k3lab import values
+    """The file at one pinned commit, through k3lab's bounded transport, checked against the SHA-256
+    the Hub lists."""
     from k3lab.pipeline.hub import transport
-    from k3lab.pipeline.hub.env import hub_env
+    from k3lab.pipeline.hub.files import pinned_file
     from k3lab.pipeline.hub.retry import with_retries
 
-    values.repo_id(repo, "--calibration")
-    if revision is not None:
-        values.revision(revision, "--calibration")
-    transport.install()
-    env = hub_env()
-    where = f"--calibration {repo}:{path}"
-    api = HfApi(endpoint=env.endpoint, token=env.token)
-    info = with_retries(
-        where, lambda: api.model_info(repo, revision=revision or "main", files_metadata=True), env.budget
+    try:
+        pin = pinned_file(repo, path, revision, "--calibration", MAX_TEXT, "calibration text")
+    except K3LabError as e:
+        raise CalibrationError(str(e)) from None
+    size, where = pin.file.size, pin.where
+    raw = with_retries(
+        where, lambda: transport.fetch_range(pin.url(), 0, size, size, pin.token, where), pin.budget
     )
-    remote = next((s for s in info.siblings or [] if s.rfilename == path), None)
-    if remote is None or not info.sha:
-        raise CalibrationError(f"{where}: no such file at {revision or 'main'}")
-    size = int(remote.size or 0)
-    if size > MAX_TEXT:
-        raise CalibrationError(f"{where}: {size:,} bytes: more calibration text than k3lab reads")
-    url = transport.file_url(repo, path, info.sha, env.endpoint)
-    raw = with_retries(where, lambda: transport.fetch_range(url, 0, size, size, env.token, where), env.budget)
-    if remote.lfs is not None and hashlib.sha256(raw).hexdigest() != remote.lfs.sha256:
+    if pin.file.sha256 is not None and hashlib.sha256(raw).hexdigest() != pin.file.sha256:
         raise CalibrationError(f"{where}: its bytes are not the ones the Hub lists (SHA-256)")
-    return bytes(raw), f"{repo}:{path}@{info.sha}"
+    return bytes(raw), f"{repo}:{path}@{pin.commit}"

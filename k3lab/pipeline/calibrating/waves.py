@@ -55,10 +55,11 @@ class Array:
     failed: bool = False
     lock: threading.Condition = field(default_factory=threading.Condition)
 
-    def chunk(self, c: int, n_ctx: int, halt: threading.Event) -> np.ndarray:
+    def chunk(self, c: int, n_ctx: int, stopped: Callable[[], bool]) -> np.ndarray:
+        """Chunk ``c``, once written (waiting for the stage writing it; ``stopped``: give up)."""
         with self.lock:
             while not self.finished and self.written <= c:
-                if self.failed or halt.is_set():
+                if self.failed or stopped():
                     raise Stopped("stopped")
                 self.lock.wait(WAIT)
             path = self.path if self.finished else partial_path(self.path)
@@ -118,7 +119,7 @@ def run_wave(
             for c in range(n_chunks):
                 if stopped():
                     raise Stopped("stopped")
-                inputs = {name: a.chunk(c, n_ctx, _either(halt, stop)) for name, a in reads.items()}
+                inputs = {name: a.chunk(c, n_ctx, stopped) for name, a in reads.items()}
                 outputs = stage.run(c, tokens[c], inputs)
                 if stopped():
                     raise Stopped("stopped")
@@ -173,13 +174,3 @@ def run_wave(
     if failures:
         real = [e for e in failures if not isinstance(e, Stopped)]
         raise (real or failures)[0]
-
-
-class _either:
-    """An event set when either of two is."""
-
-    def __init__(self, a: threading.Event, b: threading.Event):
-        self.a, self.b = a, b
-
-    def is_set(self) -> bool:
-        return self.a.is_set() or self.b.is_set()

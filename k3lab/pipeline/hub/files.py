@@ -8,7 +8,7 @@ import hashlib
 import json
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,54 @@ class RemoteFile:
     def matches(self, path: Path) -> bool:
         """Whether the file at ``path`` has exactly these bytes (size, then SHA-256 or git blob id)."""
         return self.local_oid(path) == self.oid
+
+
+@dataclass(frozen=True)
+class PinnedFile:
+    """One file a user named as ``ORG/NAME:PATH[@REVISION]`` (an imatrix, a calibration text), found
+    at the revision's commit: where, what the Hub lists of it, and the Hub it is on (never who: the
+    token is carried, not shown)."""
+
+    repo: str
+    path: str
+    commit: str
+    file: RemoteFile
+    endpoint: str
+    token: str | None = field(repr=False)
+    budget: float
+    where: str  # the flag and the file, to name it in a message
+
+    def url(self) -> str:
+        return transport.file_url(self.repo, self.path, self.commit, self.endpoint)
+
+
+def pinned_file(repo: str, path: str, revision: str | None, flag: str, limit: int, what: str) -> PinnedFile:
+    """``repo``'s file ``path`` at ``revision`` (default main), through k3lab's bounded transport: one
+    line for a name that is not one, a file that is not there, or one larger than ``limit`` bytes
+    (``what`` it would be)."""
+    from huggingface_hub import HfApi
+
+    from k3lab import values
+    from k3lab.pipeline.hub.env import hub_env
+
+    values.repo_id(repo, flag)
+    if revision is not None:
+        values.revision(revision, flag)
+    transport.install()  # (every request bounded in bytes and time, as every other Hub read)
+    env = hub_env()
+    where = f"{flag} {repo}:{path}"
+    api = HfApi(endpoint=env.endpoint, token=env.token)
+    info = with_retries(
+        where, lambda: api.model_info(repo, revision=revision or "main", files_metadata=True), env.budget
+    )
+    remote = next((s for s in info.siblings or [] if s.rfilename == path), None)
+    if remote is None or not info.sha:
+        raise K3LabError(f"{where}: no such file at {revision or 'main'}")
+    size = int(remote.size or 0)
+    if size > limit:
+        raise K3LabError(f"{where}: {size:,} bytes: larger than any {what} k3lab reads")
+    found = RemoteFile(path, size, remote.lfs.sha256 if remote.lfs is not None else None, remote.blob_id)
+    return PinnedFile(repo, path, info.sha, found, env.endpoint, env.token, env.budget, where)
 
 
 def download(

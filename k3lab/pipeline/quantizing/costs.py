@@ -10,14 +10,16 @@ scaled to the whole; the size is exact. A type whose block does not divide the r
 (llama.cpp would fall back to another: the solver chooses only what is made as chosen), as is a type
 that needs an imatrix when there is none; the tensor's own type costs nothing (the lossless bytes).
 
-A table is computed per output file, where the file is (one pass over its tensors, every type at
-once), and kept beside the set: ``OUT/.k3lab/costs/costs-NNNNN.json``, proven by the file's content
-digest and the imatrix's SHA-256 (a table of another file or imatrix is made again).
+A table is computed per output file, where the file is (proven first: the one its record describes;
+one pass over its tensors, every type at once), and kept beside the set:
+``OUT/.k3lab/costs/costs-NNNNN.json``, a state file (its own digest checked when read) keyed by the
+file's content digest, the imatrix's SHA-256, the rows, the types and ggml's version (a table of
+another file or imatrix is made again).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -139,10 +141,8 @@ def table_path(state_dir: Any, number: int) -> Any:
 def save_table(path: Any, proof: dict[str, str], tensors: list[TensorCost]) -> None:
     from k3lab.pipeline.state.codec import write_state
 
-    try:
+    with contextlib.suppress(FileExistsError):  # (then it must be a real directory: checked next)
         os.mkdir(path.parent)
-    except FileExistsError:
-        pass
     if path.parent.is_symlink() or not path.parent.is_dir():
         raise K3LabError(f"{path.parent}: not a real directory; k3lab keeps its state only in one")
     write_state(path, "costs", {"format": FORMAT, "proof": proof, "tensors": [t.to_json() for t in tensors]})
@@ -159,10 +159,6 @@ def load_table(path: Any, proof: dict[str, str]) -> list[TensorCost] | None:
         return [TensorCost.from_json(t) for t in body["tensors"]]
     except (K3LabError, KeyError, TypeError, ValueError, OSError):
         return None
-
-
-def dumps(tensors: list[TensorCost]) -> str:
-    return json.dumps([t.to_json() for t in tensors])
 
 
 # --- a set's tables ---------------------------------------------------------------------------------
@@ -183,8 +179,11 @@ def set_tables(
     fixed = 0
     for vf in reference.files:
         rec = folder.records.text(vf.source_number)
-        if rec is None:
-            raise K3LabError(f"{folder.output(vf.source)}: not a finished file of the set: convert it first")
+        if rec is None or not folder.records.is_complete(vf.source_number, vf.source, vf.source_digest):
+            raise K3LabError(
+                f"{folder.output(vf.source)}: not the finished file its record describes (changed since, or "
+                "not converted yet): convert it first"
+            )
         fixed += sum(t.nbytes for t in vf.tensors if not t.quantized)
         proof = {**base, "file": content_digest(rec)}
         path = table_path(folder.state, vf.source_number)

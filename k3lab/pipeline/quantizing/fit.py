@@ -12,9 +12,12 @@ variant is llama-quantize's bytes and can be made again with stock llama-quantiz
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from k3lab.errors import K3LabError
 from k3lab.pipeline.quantizing.costs import Option, TensorCost
@@ -131,3 +134,77 @@ def _spend_the_rest(tables: list[TensorCost], chosen: dict[str, Option], slack: 
 def _slope(a: Option, b: Option) -> float:
     """Loss gained per byte saved going from ``a`` to ``b``."""
     return (b.cost - a.cost) / max(1, a.nbytes - b.nbytes)
+
+
+# --- a mix for a set -------------------------------------------------------------------------------
+
+FTYPE_OF = {"Q2_K": "Q2_K", "Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M", "Q6_K": "Q6_K", "Q8_0": "Q8_0",
+            "IQ1_S": "IQ1_S", "IQ1_M": "IQ1_M", "IQ2_XXS": "IQ2_XXS", "IQ2_XS": "IQ2_XS", "IQ2_S": "IQ2_S",
+            "IQ3_XXS": "IQ3_XXS", "IQ3_S": "IQ3_S", "IQ4_XS": "IQ4_XS", "MXFP4": "MXFP4_MOE", "BF16": "BF16",
+            "F16": "F16"}  # fmt: skip
+
+
+def floor_bits(name: str) -> float:
+    """``--fit-floor``'s bits per weight (``none``: 0): one line for a name that is not a ggml type."""
+    from k3lab.formats.ggml import TYPE_IDS, ggml
+
+    up = name.upper()
+    if up == "NONE":
+        return 0.0
+    if up not in TYPE_IDS:
+        raise K3LabError(f"--fit-floor {name!r}: a ggml type (Q4_K, Q6_K ...) or none")
+    tr = ggml().traits(TYPE_IDS[up])
+    return 8 * tr.block_bytes / tr.block
+
+
+def choose_mix(folder: Any, plan: Any, label: str, use: Any, budget: int, bits: float, rows: int,
+               say: Callable[[str], None] | None = None) -> tuple[Fitted, str]:  # fmt: skip
+    """The mix of the set in ``folder`` (its ``plan``) that loses least in a variant of at most
+    ``budget`` bytes, its files' headers counted exactly (the fit made again within what they
+    leave), with the imatrix ``use``; and the file type it is named by."""
+    from k3lab.pipeline.quantizing.costs import set_tables
+    from k3lab.pipeline.quantizing.llama_types import QuantSpec
+    from k3lab.pipeline.quantizing.start import plan_variants
+    from k3lab.pipeline.quantizing.variant import Variant
+
+    kvs = folder.plans.kvs(plan)
+    (reference,) = plan_variants(plan, kvs, [Variant("fit", QuantSpec("Q8_0"), use)], True)
+    tables, fixed = set_tables(folder, reference, rows, say)
+    headers = sum(r.data_start for k in range(1, len(plan.files) + 1) if (r := folder.records.text(k)))
+    target = budget
+    for _ in range(8):
+        fitted = fit(floored(tables, bits), target, fixed + headers)
+        ftype = _ftype_of(tables, fitted.types)
+        overrides = tuple((f"^{re.escape(n)}$", t) for n, t in sorted(fitted.types.items()))
+        (vp,) = plan_variants(plan, kvs, [Variant(label, QuantSpec(ftype, overrides), use)])
+        size = variant_bytes(vp)
+        if size <= budget:
+            return dataclasses.replace(fitted, nbytes=size), ftype
+        target -= size - budget
+    raise K3LabError(f"--fit {budget:,} bytes: no mix found within it once its files' headers are counted")
+
+
+def _ftype_of(tables: list[TensorCost], types: dict[str, str]) -> str:
+    """The file type a mix is named by (``general.file_type``, llama-quantize's argument): its type of
+    the most bytes among the tensors it changes."""
+    import collections
+
+    weight: collections.Counter = collections.Counter()
+    for t in tables:
+        if types[t.name] != t.type:
+            weight[types[t.name]] += next(o.nbytes for o in t.options if o.type == types[t.name])
+    return FTYPE_OF.get(weight.most_common(1)[0][0] if weight else "Q8_0", "Q8_0")
+
+
+def variant_bytes(vp: Any) -> int:
+    """A variant's files' bytes, counted without writing them (their headers as written)."""
+    from gguf import GGMLQuantizationType
+
+    from k3lab.formats.ggml import TYPE_IDS
+    from k3lab.formats.gguf_data import TensorInfo, file_size
+
+    return sum(
+        file_size(None, vp.file_kvs(f.number),
+                  [TensorInfo(t.name, GGMLQuantizationType(TYPE_IDS[t.type]), t.shape) for t in f.tensors])
+        for f in vp.files
+    )  # fmt: skip

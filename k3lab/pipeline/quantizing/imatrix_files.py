@@ -174,36 +174,14 @@ def _local_reader(use: IMatrixUse) -> Read:
 
 
 def _hub_imatrix(repo: str, path: str, revision: str | None) -> IMatrixUse:
-    from huggingface_hub import HfApi
+    from k3lab.pipeline.hub.files import pinned_file
 
-    from k3lab import values
-    from k3lab.pipeline.hub import transport
-    from k3lab.pipeline.hub.env import hub_env
-    from k3lab.pipeline.hub.retry import with_retries
-
-    values.repo_id(repo, "--imatrix")
-    if revision is not None:
-        values.revision(revision, "--imatrix")
-    transport.install()  # (every request bounded in bytes and time, as every other Hub read)
-    env = hub_env()
-    where = f"--imatrix {repo}:{path}"
-    api = HfApi(endpoint=env.endpoint, token=env.token)
-    info = with_retries(
-        where, lambda: api.model_info(repo, revision=revision or "main", files_metadata=True), env.budget
-    )
-    remote = next((s for s in info.siblings or [] if s.rfilename == path), None)
-    if remote is None or not info.sha:
-        raise K3LabError(f"{where}: no such file at {revision or 'main'}")
-    size, sha = (
-        int(remote.size or 0),
-        remote.lfs.sha256 if remote.lfs is not None else f"git-{remote.blob_id}",
-    )
-    if size > MAX_SIZE:
-        raise K3LabError(f"{where}: {size:,} bytes: larger than any imatrix k3lab reads")
-    where_at = f"{repo}:{path}@{info.sha}"
-    use = IMatrixUse(where_at, path, sha, IMatrix({}, size=size), (), repo, path, info.sha, env.endpoint)
-    index = read_index(_hub_reader(use, env.token), size, use.location)
-    return IMatrixUse(use.location, path, sha, index, (), repo, path, info.sha, env.endpoint)
+    pin = pinned_file(repo, path, revision, "--imatrix", MAX_SIZE, "imatrix")
+    size, sha = pin.file.size, pin.file.oid
+    where_at = f"{repo}:{path}@{pin.commit}"
+    use = IMatrixUse(where_at, path, sha, IMatrix({}, size=size), (), repo, path, pin.commit, pin.endpoint)
+    index = read_index(_hub_reader(use, pin.token), size, use.location)
+    return IMatrixUse(use.location, path, sha, index, (), repo, path, pin.commit, pin.endpoint)
 
 
 def _hub_reader(use: IMatrixUse, token: str | None) -> Read:
