@@ -176,6 +176,21 @@ def build_parser() -> argparse.ArgumentParser:
         "chosen from its measured cost, written as llama-quantize's --tensor-type-file (SET/LABEL.tensor-types.txt)",
     )
     q.add_argument(
+        "--fit-ram",
+        metavar="SIZE",
+        help="the mix that loses least on a machine of SIZE memory (384G, 1000G...): the files plus the cache of "
+        "--fit-context's tokens; with --fit-vram, the routed experts in RAM (llama.cpp's --cpu-moe), the rest and "
+        "the cache on the GPU",
+    )
+    q.add_argument("--fit-vram", metavar="SIZE", help="with --fit-ram: the GPU's memory (24G, 80G...)")
+    q.add_argument(
+        "--fit-context",
+        type=CHUNKS,
+        metavar="N",
+        help="with --fit-ram: the context the machine runs (llama.cpp's -c; default the model's context length, "
+        "as llama.cpp takes it without -c)",
+    )
+    q.add_argument(
         "--fit-rows", type=JOBS, metavar="N", help="rows of every matrix measured per type (default 16)"
     )
     q.add_argument(

@@ -62,13 +62,15 @@ def _quantize(req: Request, args: argparse.Namespace) -> int:
     if args.dry_run:
         print(describe(forecast(req, VariantRequest.of(args))))
         return 0
-    if args.fit:
+    if args.fit or args.fit_ram or args.fit_vram or args.fit_context:
         from k3lab.variants import fit
 
-        fitted, made = fit(
-            req, VariantRequest.of(args), args.fit, args.fit_rows, None if req.quiet else _say, args.fit_floor
+        fitted, made = fit(req, VariantRequest.of(args), args.fit, args.fit_rows, None if req.quiet else _say,
+                           args.fit_floor, args.fit_ram, args.fit_vram, args.fit_context)  # fmt: skip
+        where = "" if fitted.on_gpu is None else f" ({fitted.on_gpu:,} on the GPU, the rest in RAM)"
+        print(
+            f"fitted: {fitted.nbytes:,} bytes{where}, loss {fitted.loss:.4g} (the sum of every tensor's measured cost)"
         )
-        print(f"--fit {args.fit}: loss {fitted.loss:.4g} (the sum of every tensor's measured cost)")
         _say_variants(made, req.out_dir or "", True)
         return 0
 

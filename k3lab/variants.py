@@ -239,21 +239,28 @@ def describe(plans: list[Any]) -> str:
 def fit(
     req: Any,
     asked: VariantRequest,
-    size: str,
+    size: str | None = None,
     rows: int | None = None,
     say: Say | None = None,
     floor: str = "Q2_K",
+    ram: str | None = None,
+    vram: str | None = None,
+    context: int | None = None,
 ) -> Any:
-    """``k3lab quantize SET --fit SIZE``: the mix that loses least within SIZE bytes (``fit.choose_mix``,
-    with the set's imatrix: ``--imatrix``, else ``SET/imatrix.gguf`` when there is one), written as
-    llama-quantize's ``--tensor-type-file`` (``SET/LABEL.tensor-types.txt``) and made as the variant
-    LABEL: (the fit, the files made). ``floor``: ``--fit-floor``."""
+    """``k3lab quantize SET --fit SIZE`` (or ``--fit-ram R [--fit-vram V] [--fit-context N]``): the mix
+    that loses least within SIZE bytes of files, or on a machine of R bytes of RAM (and V of VRAM: the
+    routed experts in RAM, the rest on the GPU, as ``--cpu-moe -ngl 99`` places them) with the cache
+    of a context of N tokens beside it (default: the model's own context length, what llama.cpp
+    allocates without ``-c``) (``fit.choose_mix``, with the set's imatrix: ``--imatrix``, else
+    ``SET/imatrix.gguf`` when there is one), written as llama-quantize's ``--tensor-type-file``
+    (``SET/LABEL.tensor-types.txt``) and made as the variant LABEL: (the fit, the files made).
+    ``floor``: ``--fit-floor``."""
     from pathlib import Path
 
     from k3lab.cli_flags import TYPE_FILE
     from k3lab.pipeline.planning.split import parse_size
     from k3lab.pipeline.quantizing.costs import ROWS
-    from k3lab.pipeline.quantizing.fit import choose_mix, floor_bits
+    from k3lab.pipeline.quantizing.fit import Budget, choose_mix, floor_bits
     from k3lab.pipeline.quantizing.imatrix_files import open_imatrix
     from k3lab.pipeline.quantizing.variant import check_label
     from k3lab.pipeline.state import OutputFolder
@@ -263,10 +270,34 @@ def fit(
         raise K3LabError("quantize --fit: give the folder of a converted set")
     if asked.variants or asked.tensor_type or asked.pure:
         raise K3LabError("--fit chooses every tensor's type: no --type, --tensor-type or --pure with it")
-    budget, bits = parse_size(size, "--fit"), floor_bits(floor)
-    label = check_label(asked.label or f"fit-{size}")
+    if (size is None) == (ram is None):
+        raise K3LabError(
+            "give --fit SIZE (the files' bytes) or --fit-ram SIZE (a machine's memory), one of them"
+        )
+    if size is not None and (vram is not None or context is not None):
+        raise K3LabError(
+            "--fit-vram and --fit-context go with --fit-ram (a machine), not --fit (the files' bytes)"
+        )
+    bits = floor_bits(floor)
     folder = OutputFolder(req.out_dir)
-    plan = folder.plans.require(req.load_model())
+    model = req.load_model()
+    plan = folder.plans.require(model)
+    if size is not None:
+        budget = Budget(parse_size(size, "--fit"))
+        label = check_label(asked.label or f"fit-{size}")
+    else:
+        assert ram is not None
+        if model.context_bytes is None:
+            raise K3LabError(
+                f"--fit-ram: k3lab does not know what a {model.name} context costs; give --fit SIZE"
+            )
+        kvs = {kv.key: kv.value for kv in folder.plans.kvs(plan)}
+        n_ctx = context or int(kvs.get(f"{model.name}.context_length", 4096))
+        budget = Budget(parse_size(ram, "--fit-ram"), None if vram is None else parse_size(vram, "--fit-vram"),
+                        model.context_bytes(kvs, n_ctx))  # fmt: skip
+        label = check_label(asked.label or f"fit-{ram}" + (f"-{vram}" if vram else ""))
+        if say is not None:
+            say(f"--fit-ram: a context of {n_ctx:,} tokens takes {budget.context:,} bytes beside the weights")
     own = folder.path / "imatrix.gguf"
     location = asked.imatrix or (str(own) if own.is_file() else None)
     use = open_imatrix(location) if location else None
@@ -274,8 +305,9 @@ def fit(
     type_file = Path(req.out_dir) / f"{label}.tensor-types.txt"
     write_atomically(type_file, lambda fh: fh.write(fitted.type_file().encode()))
     if say is not None:
-        say(f"--fit {size}: {len(fitted.types)} tensors, {fitted.nbytes:,} bytes (the smallest mix {fitted.smallest:,}, "
-            f"the lossless set {fitted.largest:,}), loss {fitted.loss:.4g}; {type_file}")  # fmt: skip
+        where = "" if fitted.on_gpu is None else f" ({fitted.on_gpu:,} on the GPU)"
+        say(f"--fit {budget.words()}: {len(fitted.types)} tensors, {fitted.nbytes:,} bytes{where} (the smallest "
+            f"mix {fitted.smallest:,}, the lossless set {fitted.largest:,}), loss {fitted.loss:.4g}; {type_file}")  # fmt: skip
     chosen = dataclasses.replace(
         asked, variants=ftype, label=label, imatrix=location, tensor_type=(TYPE_FILE + str(type_file),)
     )

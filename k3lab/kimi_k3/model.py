@@ -12,6 +12,7 @@ from k3lab.kimi_k3.keys import ARCH, file_kvs, tokenizer_kvs
 from k3lab.kimi_k3.layout import check_formats, unit_layout
 from k3lab.kimi_k3.mmproj import MMPROJ
 from k3lab.kimi_k3.rules import RULES, TEXT_PREFIX, config_tags, layer_of, unit_tags
+from k3lab.kimi_k3.runtime import context_bytes
 from k3lab.kimi_k3.transforms import TRANSFORMS
 from k3lab.pipeline.model import Model
 
@@ -42,4 +43,5 @@ MODEL = Model(
     guide=GUIDE,
     check_source=check_formats,
     calibration=CALIBRATION,
+    context_bytes=context_bytes,
 )

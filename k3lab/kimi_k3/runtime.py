@@ -12,6 +12,9 @@ does: a figure, never a failure.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from k3lab.kimi_k3.keys import ARCH
 
 MOONSHOT_EPS = 1e-6  # fla's l2norm_fwd default; KimiRMSNorm's default
 
@@ -59,3 +62,34 @@ Q8_ACTIVATIONS = Deviation(
 DEVIATIONS = {d.name: d for d in (KDA_L2_EPS, MLA_NORM_EPS, BF16_INPUTS, Q8_ACTIVATIONS)}
 EPSILONS = (KDA_L2_EPS.name, MLA_NORM_EPS.name)  # the runtime's values (a GGUF cannot carry Moonshot's)
 ROUNDINGS = (BF16_INPUTS.name, Q8_ACTIVATIONS.name)  # ggml's kernels (the reference's ``ggml`` mode)
+
+
+# --- what a context costs llama.cpp, beside the weights ----------------------------------------------
+
+CELL_PAD = 256  # llama.cpp rounds a context's cells up to a multiple of this (n_ctx 1000 -> 1024)
+F16, F32 = 2, 4  # the cache's default types: K (f16, --cache-type-k); the recurrent states (f32)
+
+
+def context_bytes(kvs: dict[str, Any], n_ctx: int) -> int:
+    """The bytes llama.cpp's ``kimi-k3`` allocates for a context of ``n_ctx`` tokens, one sequence, at
+    its default cache types, from file 1's keys (``kvs``: name -> value), as the tree llama-cpp-python
+    0.3.36 vendors allocates them (``src/llama-kv-cache.cpp``, ``src/llama-hparams.cpp``; its log's
+    ``llama_kv_cache: size`` and ``llama_memory_recurrent: size`` lines):
+
+    - each MLA layer (``attention.head_count_kv`` not 0) caches one K row of ``attention.key_length``
+      (kv_lora_rank + the RoPE part) per token per KV head, in f16; no V (MLA reads V from the latent);
+    - each KDA layer (``head_count_kv`` 0) keeps its recurrent state whatever the length: the short
+      convolutions' last ``conv_kernel - 1`` inputs of Q, K and V and the ``head_dim x head_dim`` state
+      of every head, in f32.
+
+    Not counted: llama.cpp's compute buffer (it prints it: ``compute buffer size``; it grows with the
+    batch and the context, tens of MiB on a small model, GiBs on Kimi-K3 at long contexts)."""
+    a = f"{ARCH}."
+    kv_heads = [int(x) for x in kvs[a + "attention.head_count_kv"]]
+    cells = -(-max(1, n_ctx) // CELL_PAD) * CELL_PAD
+    k_row = int(kvs[a + "attention.key_length"])
+    heads, head_dim = int(kvs[a + "attention.head_count"]), int(kvs[a + "kda.head_dim"])
+    conv = int(kvs[a + "ssm.conv_kernel"]) - 1
+    kda_state = 3 * conv * heads * head_dim + head_dim * head_dim * heads
+    mla = sum(k_row * h * cells * F16 for h in kv_heads if h)
+    return mla + sum(kda_state * F32 for h in kv_heads if not h)

@@ -234,6 +234,9 @@ class Model:
     # the config says (Kimi-K3: MXFP4-packed experts without a quantization_config)
     check_source: Callable[[Any, dict[str, str]], None] | None = None
     calibration: Calibration | None = None  # the imatrix stage's steps and graphs
+    # (file 1's keys by name, n_ctx) -> the bytes the runtime allocates for a context of n_ctx tokens
+    # beside the weights (its KV cache and recurrent states): what ``quantize --fit-ram`` leaves room for
+    context_bytes: Callable[[dict[str, Any], int], int] | None = None
 
     @property
     def rules_digest(self) -> str:

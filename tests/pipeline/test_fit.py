@@ -165,3 +165,92 @@ def test_fit_is_llama_quantize_with_its_type_file_within_budget_and_better_than_
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and said in err[0], (flags, err)
         assert not (set_dir / "bad").exists() and not (set_dir / "bad.tensor-types.txt").exists()
+
+
+def _llama_quantize_made_it(set_dir: Path, label: str, tmp_path: Path) -> None:
+    """The variant LABEL is what llama-quantize makes, run as its manifest records it."""
+    import json
+
+    from llama_tree import llama_quantize
+
+    made = sorted((set_dir / label).glob("*.gguf"))
+    argv = shlex.split(json.loads((set_dir / label / "MANIFEST.json").read_text())["made_as"].splitlines()[0])
+    ref = tmp_path / f"{label}-ref.gguf"
+    argv[0], argv[-2] = str(llama_quantize()), str(ref)
+    done = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=900, cwd=set_dir)
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert ref.read_bytes() == made[0].read_bytes()
+
+
+def _llama_cpp_context_bytes(gguf_file: Path, n_ctx: int) -> float:
+    """What llama.cpp says it allocated for a context of n_ctx (its KV cache and recurrent states), in
+    MiB as its log prints them (two decimals)."""
+    import re
+
+    script = (
+        "import llama_cpp,sys\n"
+        f"llama_cpp.Llama(model_path={str(gguf_file)!r}, n_ctx={n_ctx}, n_threads=1, verbose=True)\n"
+    )
+    done = subprocess.run(
+        [__import__("sys").executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    sizes = re.findall(r"llama_(?:kv_cache|memory_recurrent): size = +([0-9.]+) MiB", done.stderr)
+    assert len(sizes) == 2, done.stderr[-3000:]
+    return sum(float(s) for s in sizes)
+
+
+@needs_llama
+def test_a_machine_fit_keeps_each_side_in_its_memory_with_llama_cpps_cache(
+    widths_set: Path, tmp_path: Path, capsys
+) -> None:
+    """--fit-ram/--fit-vram/--fit-context: the cache counted is what llama.cpp allocates for that
+    context (its own log, two contexts); the routed experts within the RAM, the rest plus the cache
+    within the VRAM; llama-quantize's bytes given the type file; bad machines in one line, nothing made."""
+    from gguf import GGUFReader
+
+    from k3lab.kimi_k3.model import MODEL
+    from k3lab.pipeline.quantizing.fit import CPU_MOE
+
+    set_dir = tmp_path / "set"
+    shutil.copytree(widths_set, set_dir)
+    base = next(set_dir.glob("*.gguf"))
+    kvs = {k: f.contents() for k, f in GGUFReader(base).fields.items()}
+    for n_ctx in (1000, 5000):
+        ours = MODEL.context_bytes(kvs, n_ctx) / 2**20
+        assert abs(ours - _llama_cpp_context_bytes(base, n_ctx)) <= 0.011, n_ctx
+
+    def sides(path: Path) -> tuple[int, int]:
+        tensors = GGUFReader(path).tensors
+        gpu = sum(int(t.n_bytes) for t in tensors if not CPU_MOE.search(t.name))
+        return path.stat().st_size - gpu, gpu
+
+    ram0, gpu0 = sides(base)
+    cache = MODEL.context_bytes(kvs, 2048)
+    header = GGUFReader(base).data_offset  # (in RAM: llama.cpp maps the file)
+    ram, vram = header + (ram0 - header) // 2, gpu0 // 2 + cache
+    assert main(["quantize", str(set_dir), "--fit-ram", str(ram), "--fit-vram", str(vram), "--fit-context",
+                 "2048", "--label", "machine", "--imatrix", str(IMATRIX), "--quiet"]) == 0  # fmt: skip
+    (made,) = sorted((set_dir / "machine").glob("*.gguf"))
+    got_ram, got_gpu = sides(made)
+    print(f"RAM {got_ram:,} of {ram:,}; GPU {got_gpu:,} + cache {cache:,} of {vram:,}")
+    assert got_ram <= ram and got_gpu + cache <= vram
+    assert got_ram > 0.9 * ram and got_gpu + cache > 0.9 * vram  # (each side spent, not left idle)
+    _llama_quantize_made_it(set_dir, "machine", tmp_path)
+    capsys.readouterr()
+    for flags, said in (
+        (["--fit", "3M", "--fit-vram", "1G"], "--fit-vram and --fit-context go with --fit-ram"),
+        (["--fit", "3M", "--fit-ram", "1G"], "one of them"),
+        (
+            ["--fit-ram", "1G", "--fit-vram", str(cache)],
+            f"--fit-vram {cache:,} bytes less the context's cache",
+        ),
+        (["--fit-ram", "1000", "--fit-vram", "1G"], "--fit-ram 1,000 bytes for the routed experts"),
+    ):
+        argv = ["quantize", str(set_dir), *flags, "--fit-context", "2048", "--label", "bad", "--quiet"]
+        if flags[0] == "--fit" and "--fit-vram" not in flags:
+            argv.remove("--fit-context"), argv.remove("2048")
+        assert main([*argv, "--imatrix", str(IMATRIX)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], (flags, err)
+        assert not (set_dir / "bad").exists() and not (set_dir / "bad.tensor-types.txt").exists()

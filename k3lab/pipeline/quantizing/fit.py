@@ -22,6 +22,29 @@ from typing import Any
 from k3lab.errors import K3LabError
 from k3lab.pipeline.quantizing.costs import Option, TensorCost
 
+# the tensors llama.cpp keeps in RAM under --cpu-moe (common.h's LLM_FFN_EXPS_REGEX): the routed experts
+CPU_MOE = re.compile(r"\.ffn_(up|down|gate|gate_up)_(ch|)exps")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a mix must fit in. ``ram`` alone: every byte of the files plus ``context`` (the runtime's
+    cache for the context asked for) in one memory (``--fit SIZE``: files only, no context). With
+    ``vram``: llama.cpp run with ``--cpu-moe -ngl 99`` keeps the routed experts (``CPU_MOE``) in
+    RAM and puts the rest and the cache on the GPU, so each side has its budget."""
+
+    ram: int
+    vram: int | None = None
+    context: int = 0
+
+    def words(self) -> str:
+        if self.vram is None:
+            return f"{self.ram:,} bytes" + (
+                f" ({self.context:,} of them the context's cache)" if self.context else ""
+            )
+        return (f"{self.ram:,} bytes of RAM for the routed experts, {self.vram:,} of VRAM for the rest"
+                + (f" and the context's cache ({self.context:,})" if self.context else ""))  # fmt: skip
+
 
 @dataclass(frozen=True)
 class Fitted:
@@ -32,6 +55,7 @@ class Fitted:
     loss: float
     smallest: int  # the bytes of every tensor at its smallest option
     largest: int  # ... at its lossless one
+    on_gpu: int | None = None  # with a VRAM budget: the bytes of the tensors on the GPU (the rest in RAM)
 
     def type_file(self) -> str:
         """llama-quantize's ``--tensor-type-file``: a line per tensor, its exact name as the pattern."""
@@ -77,21 +101,20 @@ def floored(tables: list[TensorCost], floor_bits: float) -> list[TensorCost]:
     return out
 
 
-def fit(tables: list[TensorCost], budget: int, fixed: int = 0) -> Fitted:
+def fit(tables: list[TensorCost], budget: int, fixed: int = 0, what: str = "") -> Fitted:
     """Every tensor's type for a set of at most ``budget`` bytes (``fixed``: the bytes of what is not
     in the tables: norms, the vocabulary's metadata, the files' headers). One line when no mix fits
-    or when the lossless set does already."""
+    or when the lossless set does already (``what``: the budget as the user gave it, for those lines)."""
+    what = what or f"--fit {budget:,} bytes"
     hulls = {t.name: hull(t.options) for t in tables}
     largest = fixed + sum(h[0].nbytes for h in hulls.values())
     smallest = fixed + sum(h[-1].nbytes for h in hulls.values())
     if budget >= largest:
-        raise K3LabError(
-            f"--fit {budget:,} bytes: the lossless set is {largest:,} bytes and fits already: nothing to lose"
-        )
+        raise K3LabError(f"{what}: the lossless set is {largest:,} bytes and fits already: nothing to lose")
     if budget < smallest:
         raise K3LabError(
-            f"--fit {budget:,} bytes: the smallest mix of these types is {smallest:,} bytes (every tensor at "
-            "its smallest): give a larger budget"
+            f"{what}: the smallest mix of these types is {smallest:,} bytes (every tensor at its smallest): "
+            "give a larger budget"
         )
     at = {name: 0 for name in hulls}
     heap = []
@@ -111,6 +134,37 @@ def fit(tables: list[TensorCost], budget: int, fixed: int = 0) -> Fitted:
     total = fixed + sum(o.nbytes for o in chosen.values())
     return Fitted({n: o.type for n, o in chosen.items()}, total, sum(o.cost for o in chosen.values()),
                   smallest, largest)  # fmt: skip
+
+
+def fit_machine(tables: list[TensorCost], budget: Budget, fixed: int = 0, fixed_gpu: int = 0) -> Fitted:
+    """``fit`` for a machine: one budget (``budget.ram`` less the context's cache) when there is no
+    GPU; with one, the routed experts fitted to the RAM and the rest (``fixed_gpu`` of it not in the
+    tables: norms) to the VRAM less the cache, each side at its lossless types when it fits as it is."""
+    cache = f" less the context's cache ({budget.context:,})" if budget.context else ""
+    if budget.vram is None:
+        return fit(tables, budget.ram - budget.context, fixed, f"--fit-ram {budget.ram:,} bytes{cache}")
+    experts = [t for t in tables if CPU_MOE.search(t.name)]
+    rest = [t for t in tables if not CPU_MOE.search(t.name)]
+    sides = []
+    for part, room, base, where in (
+        (experts, budget.ram, fixed - fixed_gpu, f"--fit-ram {budget.ram:,} bytes for the routed experts"),
+        (
+            rest,
+            budget.vram - budget.context,
+            fixed_gpu,
+            f"--fit-vram {budget.vram:,} bytes{cache} for the rest",
+        ),
+    ):
+        lossless = base + sum(h[0].nbytes for h in (hull(t.options) for t in part))
+        if room >= lossless:
+            sides.append(Fitted({t.name: t.type for t in part}, lossless, 0.0, lossless, lossless))
+            continue
+        sides.append(fit(part, room, base, where))
+    ram, gpu = sides
+    if ram.loss == gpu.loss == 0 and ram.nbytes == ram.largest and gpu.nbytes == gpu.largest:
+        raise K3LabError(f"{budget.words()}: the lossless set fits already: nothing to lose")
+    return Fitted({**ram.types, **gpu.types}, ram.nbytes + gpu.nbytes, ram.loss + gpu.loss,
+                  ram.smallest + gpu.smallest, ram.largest + gpu.largest, gpu.nbytes)  # fmt: skip
 
 
 def _spend_the_rest(tables: list[TensorCost], chosen: dict[str, Option], slack: int) -> None:
@@ -157,11 +211,11 @@ def floor_bits(name: str) -> float:
     return 8 * tr.block_bytes / tr.block
 
 
-def choose_mix(folder: Any, plan: Any, label: str, use: Any, budget: int, bits: float, rows: int,
+def choose_mix(folder: Any, plan: Any, label: str, use: Any, budget: Budget, bits: float, rows: int,
                say: Callable[[str], None] | None = None) -> tuple[Fitted, str]:  # fmt: skip
-    """The mix of the set in ``folder`` (its ``plan``) that loses least in a variant of at most
-    ``budget`` bytes, its files' headers counted exactly (the fit made again within what they
-    leave), with the imatrix ``use``; and the file type it is named by."""
+    """The mix of the set in ``folder`` (its ``plan``) that loses least in a variant within
+    ``budget``, its files' headers counted exactly (the fit made again within what they leave), with
+    the imatrix ``use``; and the file type it is named by."""
     from k3lab.pipeline.quantizing.costs import set_tables
     from k3lab.pipeline.quantizing.llama_types import QuantSpec
     from k3lab.pipeline.quantizing.start import plan_variants
@@ -170,18 +224,31 @@ def choose_mix(folder: Any, plan: Any, label: str, use: Any, budget: int, bits: 
     kvs = folder.plans.kvs(plan)
     (reference,) = plan_variants(plan, kvs, [Variant("fit", QuantSpec("Q8_0"), use)], True)
     tables, fixed = set_tables(folder, reference, rows, say)
+    fixed_gpu = sum(t.nbytes for f in reference.files for t in f.tensors
+                    if not t.quantized and not CPU_MOE.search(t.name))  # fmt: skip
     headers = sum(r.data_start for k in range(1, len(plan.files) + 1) if (r := folder.records.text(k)))
     target = budget
     for _ in range(8):
-        fitted = fit(floored(tables, bits), target, fixed + headers)
+        fitted = fit_machine(floored(tables, bits), target, fixed + headers, fixed_gpu)
         ftype = _ftype_of(tables, fitted.types)
         overrides = tuple((f"^{re.escape(n)}$", t) for n, t in sorted(fitted.types.items()))
         (vp,) = plan_variants(plan, kvs, [Variant(label, QuantSpec(ftype, overrides), use)])
         size = variant_bytes(vp)
-        if size <= budget:
-            return dataclasses.replace(fitted, nbytes=size), ftype
-        target -= size - budget
-    raise K3LabError(f"--fit {budget:,} bytes: no mix found within it once its files' headers are counted")
+        gpu = sum(t.nbytes for f in vp.files for t in f.tensors if not CPU_MOE.search(t.name))
+        if budget.vram is None:
+            over_ram, over_gpu = size + budget.context - budget.ram, 0
+        else:
+            over_ram, over_gpu = size - gpu - budget.ram, gpu + budget.context - budget.vram
+        if over_ram <= 0 and over_gpu <= 0:
+            return dataclasses.replace(
+                fitted, nbytes=size, on_gpu=None if budget.vram is None else gpu
+            ), ftype
+        target = dataclasses.replace(
+            target,
+            ram=target.ram - max(0, over_ram),
+            vram=None if target.vram is None else target.vram - max(0, over_gpu),
+        )
+    raise K3LabError(f"{budget.words()}: no mix found within it once its files' headers are counted")
 
 
 def _ftype_of(tables: list[TensorCost], types: dict[str, str]) -> str:
