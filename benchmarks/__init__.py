@@ -46,6 +46,11 @@ straightforward implementation), because these machines are shared and noisy. Ro
               `llama-imatrix`, same text and cores, paired at 12 chunks of 64 and 8 of 512 (every
               entry the same bits); then the real model's forecast: time per layer per 100 chunks,
               the whole model, memory per task (the graph built at the real shapes), state between layers
+  fit         what `quantize --fit-ram` chooses for Kimi-K3 on 384 GB to 1 TB machines (with and without a
+              24/80 GB GPU, 32,768 tokens of context): the plan of the real headers, the losses per
+              weight measured on the widths set (its imatrix: tests/data), foretold per tensor; each
+              mix's size, bits per weight of the experts and the rest, predicted loss
+              (`python benchmarks/fit_table.py` prints docs/variants.md's table)
   tokenizer   GGUF vocabulary of the real size (163,840 ids) vs the straightforward per-token BPE
               reconstruction (as upstream does it) on the same vocabulary; the merges must agree
 """

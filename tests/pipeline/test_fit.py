@@ -254,3 +254,46 @@ def test_a_machine_fit_keeps_each_side_in_its_memory_with_llama_cpps_cache(
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and said in err[0], (flags, err)
         assert not (set_dir / "bad").exists() and not (set_dir / "bad.tensor-types.txt").exists()
+
+
+@needs_llama
+def test_tables_foretold_from_measured_ones_keep_their_bytes_and_each_kinds_loss(widths_set: Path) -> None:
+    """The forecast of the real model's tables (``forecast``), tried where the truth is known: foretold
+    for the very set they were measured on, every option's bytes are the measured table's exactly and
+    each kind's summed loss per type is the measured sum; a kind never measured is one line."""
+    import math
+
+    from k3lab.errors import K3LabError
+    from k3lab.kimi_k3.model import MODEL
+    from k3lab.pipeline.quantizing.costs import set_tables
+    from k3lab.pipeline.quantizing.forecast import foretold, kind, rates
+    from k3lab.pipeline.quantizing.imatrix_files import open_imatrix
+    from k3lab.pipeline.quantizing.llama_types import QuantSpec
+    from k3lab.pipeline.quantizing.start import plan_variants
+    from k3lab.pipeline.quantizing.variant import Variant
+    from k3lab.pipeline.state import OutputFolder
+
+    folder = OutputFolder(widths_set)
+    plan = folder.plans.require(MODEL)
+    kvs = folder.plans.kvs(plan)
+    use = open_imatrix(str(IMATRIX))
+    (ref,) = plan_variants(plan, kvs, [Variant("fit", QuantSpec("Q8_0"), use)], True)
+    measured, _ = set_tables(folder, ref)
+    share = 2 / 4  # (the widths preset: 2 of 4 experts per token)
+    got, _ = foretold(ref, rates(measured, share), share)
+    by_name = {t.name: t for t in got}
+    sums: dict[tuple[str, str], list[float]] = {}
+    for t in measured:
+        g = by_name[t.name]
+        assert {o.type: o.nbytes for o in g.options} == {o.type: o.nbytes for o in t.options}, t.name
+        for o, f in zip(sorted(t.options, key=lambda o: o.type), sorted(g.options, key=lambda o: o.type)):
+            pair = sums.setdefault((kind(t.name), o.type), [0.0, 0.0])
+            pair[0] += o.cost
+            pair[1] += f.cost
+    for key, (want, foretold_sum) in sums.items():
+        assert math.isclose(want, foretold_sum, rel_tol=1e-9, abs_tol=1e-12), key
+    rates_without = {k: v for k, v in rates(measured, share).items() if k != "ffn_down_exps.weight"}
+    with pytest.raises(
+        K3LabError, match=r"tensor blk\.\d+\.ffn_down_exps\.weight: no ffn_down_exps\.weight among"
+    ):
+        foretold(ref, rates_without, share)

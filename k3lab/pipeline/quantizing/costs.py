@@ -32,9 +32,11 @@ from k3lab.errors import K3LabError
 from k3lab.formats.ggml import TYPE_IDS, ggml
 
 # the types a cost is measured for: ggml's quantisation targets people run, largest first (those of
-# blocks of 32 too: llama.cpp's own choice for rows that 256 does not divide)
+# blocks of 32 too: llama.cpp's own choice for rows that 256 does not divide; down to Q1_0's 1.125 bits,
+# what the smallest published Kimi-K3 is made of)
 CANDIDATES = ("Q8_0", "Q6_K", "Q5_1", "Q5_K", "Q5_0", "Q4_1", "Q4_K", "IQ4_NL", "Q4_0", "IQ4_XS", "Q3_K",
-              "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")  # fmt: skip
+              "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "TQ1_0", "IQ1_S",
+              "Q1_0")  # fmt: skip
 ROWS = 16  # rows measured per matrix (an expert's matrix is one): the real model in hours, not weeks
 FORMAT = "k3lab-costs/2"  # raised whenever the same inputs give other costs
 
