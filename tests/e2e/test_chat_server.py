@@ -162,6 +162,7 @@ def test_llama_server_renders_moonshots_text_with_the_embedded_template(
 
 
 EMPTY_THINKING = "<|open|>think<|sep|><|close|>think<|sep|>"
+WHOLE_CHARACTERS = "root ::= [^\\x00]*"  # GBNF: any character but NUL (docs/running.md's, for the fork)
 
 
 @pytest.mark.parametrize("thinking", [True, False])
@@ -189,12 +190,11 @@ def test_a_trailing_assistant_message_is_prefilled_as_moonshot_writes_it(
 
 def test_llama_server_chats_with_it(server: int, request: pytest.FixtureRequest) -> None:
     """A chat completion with no --chat-template: the reply comes back in the think channel the
-    template opens (llama-server's parser takes it as reasoning). The fork's parser refuses a reply cut
-    inside a UTF-8 character (HTTP 500, "does not match the expected peg-native format"), which the
-    demo's random weights make at once: there a grammar keeps the reply to ASCII letters."""
-    ascii_only = (
-        {"grammar": "root ::= [a-z ]+"} if request.node.callspec.params["server"] != "upstream" else {}
-    )
+    template opens (llama-server's parser takes it as reasoning). The fork's parser refuses a reply
+    holding malformed UTF-8 (HTTP 500, "does not match the expected peg-native format"), which the
+    demo's random weights make at once: there the grammar docs/running.md gives keeps it to whole
+    characters."""
+    ascii_only = {"grammar": WHOLE_CHARACTERS} if request.node.callspec.params["server"] != "upstream" else {}
     answer = _post(
         server,
         "/v1/chat/completions",
@@ -285,12 +285,56 @@ def test_the_running_pages_vision_commands_run_in_unsloths_fork(tmp_path: Path) 
     with _serving(serve, tmp_path, tmp_path / "fork-server.log") as port:
         image = "data:image/png;base64," + base64.b64encode((tmp_path / "photo.png").read_bytes()).decode()
         asked = [{"type": "text", "text": "What is in this picture?"}]
-        ascii_only = {"max_tokens": 4, "grammar": "root ::= [a-z ]+"}  # (see test_llama_server_chats_with_it)
+        ascii_only = {"max_tokens": 4, "grammar": WHOLE_CHARACTERS}  # (see test_llama_server_chats_with_it)
         text = _post(
             port, "/v1/chat/completions", {"messages": [{"role": "user", "content": asked}], **ascii_only}
         )
         seen = _post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": image}}, *asked]}], **ascii_only})  # fmt: skip
+        _the_forks_requests_answer_as_the_page_says(port, tmp_path)
     assert (
         seen["choices"][0]["message"] and seen["usage"]["prompt_tokens"] > text["usage"]["prompt_tokens"] + 4
     )
+
+
+def _the_forks_requests_answer_as_the_page_says(port: int, cwd: Path) -> None:
+    """docs/running.md's requests for the fork, as written: each answers (with the grammar); the same
+    without it either answers or is refused as the page says, for the reason it says: the server's own
+    log shows the reply it refused, and it is malformed UTF-8."""
+    import os
+    import urllib.error
+
+    (block,) = [b for b in _page_blocks("docs/running.md") if b.startswith("# unsloth's fork")]
+    said = subprocess.run(["bash", "-e", "-c", block.replace("127.0.0.1:8080", f"127.0.0.1:{port}")], cwd=cwd,
+                          capture_output=True, text=True, timeout=300, env=os.environ)  # fmt: skip
+    assert said.returncode == 0, said.stderr
+    answers, text, decoder = [], said.stdout.strip(), json.JSONDecoder()
+    while text:
+        answer, end = decoder.raw_decode(text)
+        answers.append(answer)
+        text = text[end:].strip()
+    assert len(answers) == 2 and "error" not in answers[0] and "error" not in answers[1], said.stdout[-2000:]
+    chat, completion = answers
+    assert chat["choices"][0]["message"].get("reasoning_content") and completion["content"]
+    assert WHOLE_CHARACTERS in block.replace("\\\\", "\\")
+    refused = 0
+    for k in range(6):
+        body = {"messages": [{"role": "user", "content": f"Hi {k}"}], "max_tokens": 32}
+        try:
+            answer = _post(port, "/v1/chat/completions", body)
+        except urllib.error.HTTPError as e:
+            assert e.code == 500
+            message = json.loads(e.read())["error"]["message"]
+            assert message == "The model produced output that does not match the expected peg-native format"
+            refused += 1
+            continue
+        assert "choices" in answer
+    log = (cwd / "fork-server.log").read_bytes()
+    unparsed = [
+        line.split(b"output: ", 1)[1] for line in log.splitlines() if b"unparsed peg-native output: " in line
+    ]
+    assert len(unparsed) >= refused
+    for reply in unparsed:
+        with pytest.raises(UnicodeDecodeError):
+            reply.decode("utf-8")
+    print(f"the fork without the grammar: {refused} of 6 replies refused, each malformed UTF-8")

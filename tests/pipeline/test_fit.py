@@ -237,6 +237,24 @@ def test_a_machine_fit_keeps_each_side_in_its_memory_with_llama_cpps_cache(
     assert got_ram <= ram and got_gpu + cache <= vram
     assert got_ram > 0.9 * ram and got_gpu + cache > 0.9 * vram  # (each side spent, not left idle)
     _llama_quantize_made_it(set_dir, "machine", tmp_path)
+    _the_manifest_predicts_the_tables_loss(set_dir, "machine")
+    assert (
+        main(
+            [
+                "quantize",
+                str(set_dir),
+                "--type",
+                "Q2_K",
+                "--label",
+                "q2",
+                "--imatrix",
+                str(IMATRIX),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    _the_manifest_predicts_the_tables_loss(set_dir, "q2")  # (any variant, once the tables are there)
     capsys.readouterr()
     for flags, said in (
         (["--fit", "3M", "--fit-vram", "1G"], "--fit-vram and --fit-context go with --fit-ram"),
@@ -297,3 +315,21 @@ def test_tables_foretold_from_measured_ones_keep_their_bytes_and_each_kinds_loss
         K3LabError, match=r"tensor blk\.\d+\.ffn_down_exps\.weight: no ffn_down_exps\.weight among"
     ):
         foretold(ref, rates_without, share)
+
+
+def _the_manifest_predicts_the_tables_loss(set_dir: Path, label: str) -> None:
+    """LABEL's manifest (and so its card row) states the loss the set's cost table gives the types
+    its file holds, as gguf-py reads them: each quantised tensor's cost under its type, summed."""
+    import json
+
+    from gguf import GGUFReader
+
+    from k3lab.pipeline.quantizing.variant import predicted_of
+    from k3lab.pipeline.state.codec import read_state
+
+    (table,) = (set_dir / ".k3lab" / "costs").glob("costs-*.json")
+    costs = {t["name"]: {o[0]: o[2] for o in t["options"]} for t in read_state(table, "costs")["tensors"]}
+    (made,) = (set_dir / label).glob("*.gguf")
+    want = sum(costs[t.name][t.tensor_type.name] for t in GGUFReader(made).tensors if t.name in costs)
+    stated = predicted_of(json.loads((set_dir / label / "MANIFEST.json").read_text())["made_as"])
+    assert stated is not None and float(stated) == pytest.approx(want, rel=1e-3), (label, stated, want)

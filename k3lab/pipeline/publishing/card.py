@@ -215,11 +215,13 @@ def variants_section(repo: str, local: str, variants: dict[str, tuple[list[Recor
     same bytes from the set above (empty when there are none)."""
     if not variants:
         return ""
+    from k3lab.pipeline.quantizing.variant import predicted_of
+
     largest = max(sum(r.size for r in recs) for recs, _ in variants.values())
     unit = size_unit(largest)
     rows = [
-        f"| variant | files | size ({unit[0]}) | bits per weight | download |",
-        "| --- | ---: | ---: | ---: | --- |",
+        f"| variant | files | size ({unit[0]}) | bits per weight | predicted loss | download |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
     ]
     made = []
     for label, (recs, command) in sorted(variants.items()):
@@ -227,6 +229,7 @@ def variants_section(repo: str, local: str, variants: dict[str, tuple[list[Recor
         weights = sum(_count(t.ne) for r in recs for t in r.tensors)
         rows.append(
             f"| `{label}` | {len(recs)} | {in_unit(size, unit).split()[0]} | {8 * size / max(weights, 1):.2f} | "
+            f"{predicted_of(command) or '-'} | "
             f'`hf download {repo} --include "{label}/*" --local-dir {local}` |'
         )
         if command:
@@ -240,7 +243,9 @@ def variants_section(repo: str, local: str, variants: dict[str, tuple[list[Recor
             "run in a folder holding the set. A folder per variant, its own `MANIFEST.json` in it (each "
             "tensor's SHA-256, type and the reason for it). llama.cpp maps the files: a machine runs a variant "
             "with about its size in memory (RAM, or RAM and VRAM), plus the context's cache; with the routed "
-            "experts kept in RAM (`-ot exps=CPU`) a GPU needs only the rest.",
+            "experts kept in RAM (`-ot exps=CPU`) a GPU needs only the rest. The predicted loss, where k3lab "
+            "measured the set's cost tables (`k3lab quantize --fit`), is every tensor's expected squared change "
+            "of its output under its type, summed: lower loses less; it compares the variants of one set.",
             "",
             *rows,
             "",

@@ -163,6 +163,47 @@ def load_table(path: Any, proof: dict[str, str]) -> list[TensorCost] | None:
         return None
 
 
+def predicted_loss(folder: Any, vp: Any) -> float | None:
+    """A variant's loss as the set's cost tables predict it: every tensor's cost under the type it is
+    given, summed; None unless every file of it has a table of its lossless file as it is, with the
+    variant's imatrix, this ggml and these types (any rows: a ``--fit`` made them). Reads only."""
+    from k3lab.pipeline.state.codec import read_state
+    from k3lab.pipeline.state.records import content_digest
+
+    total = 0.0
+    for vf in vp.files:
+        rec = folder.records.text(vf.source_number)
+        if rec is None:
+            return None
+        try:
+            body = read_state(table_path(folder.state, vf.source_number), "costs")
+        except (K3LabError, OSError, ValueError):
+            return None
+        if not isinstance(body, dict):
+            return None
+        proof = body.get("proof")
+        want = {"file": content_digest(rec), "imatrix": vp.imatrix.sha256 if vp.imatrix else "none",
+                "types": ",".join(CANDIDATES), "ggml": ggml().version}  # fmt: skip
+        if (
+            body.get("format") != FORMAT
+            or not isinstance(proof, dict)
+            or any(proof.get(k) != v for k, v in want.items())
+        ):
+            return None
+        try:
+            costs = {t["name"]: {o[0]: float(o[2]) for o in t["options"]} for t in body["tensors"]}
+        except (KeyError, TypeError, ValueError, IndexError):
+            return None
+        for t in vf.tensors:
+            if not t.quantized:
+                continue
+            cost = costs.get(t.name, {}).get(t.type)
+            if cost is None:
+                return None
+            total += cost
+    return total
+
+
 # --- a set's tables ---------------------------------------------------------------------------------
 
 

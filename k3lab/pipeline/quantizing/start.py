@@ -89,6 +89,10 @@ def start_variants(
     folder = OutputFolder(set_dir)
     plan = folder.plans.require(model)
     vplans = plan_variants(plan, folder.plans.kvs(plan), variants)
+    from k3lab.pipeline.quantizing.costs import predicted_loss
+
+    for vp in vplans:
+        vp.predicted_loss = predicted_loss(folder, vp)
     for vp in vplans:  # (a folder that is a link, or holds a link for .k3lab: one line, before anything)
         folder.variant(vp.label).check_state_dir()
         if not force:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,22 @@ class VariantFile:
         return sum(tensor_bytes(t.source_type, t.ne) for t in self.tensors)
 
 
+PREDICTED = (
+    "# predicted loss"  # (a line of ``made_as``: the manifest's and the card's; ``predicted_of`` reads it)
+)
+PREDICTED_WORDS = (
+    "every tensor's measured cost under its type, summed (k3lab's cost tables of the set; the lossless set 0)"
+)
+
+
+def predicted_of(made_as: str) -> str | None:
+    """The predicted loss a variant's ``made_as`` states, as written (None when it states none)."""
+    for line in made_as.splitlines():
+        if line.startswith(PREDICTED + " "):
+            return line[len(PREDICTED) + 1 :].split(":", 1)[0]
+    return None
+
+
 @dataclass
 class VariantPlan:
     label: str
@@ -129,6 +146,9 @@ class VariantPlan:
     imatrix: IMatrixUse | None = None
     recipe: str = ""
     notes: list[str] = field(default_factory=list)
+    predicted_loss: float | None = (
+        None  # from the set's cost tables, where they are (``costs.predicted_loss``)
+    )
 
     @property
     def n_tensors(self) -> int:
@@ -162,7 +182,10 @@ class VariantPlan:
 
     def made_as(self) -> str:
         """``command()`` for the manifest and the card, and what the imatrix was made from."""
-        return self.command() + (self.imatrix.made_from() if self.imatrix is not None else "")
+        made = self.command() + (self.imatrix.made_from() if self.imatrix is not None else "")
+        if self.predicted_loss is not None:
+            made += f"\n{PREDICTED} {self.predicted_loss:.4g}: {PREDICTED_WORDS}"
+        return made
 
     @property
     def digest(self) -> str:
@@ -181,6 +204,7 @@ class VariantPlan:
             "imatrix": self.imatrix.to_json() if self.imatrix else None,
             "kvs": kvs_to_json(self.kvs),
             "notes": self.notes,
+            "predicted_loss": self.predicted_loss,
             "files": [
                 {
                     "number": f.number,
@@ -219,6 +243,8 @@ class VariantPlan:
             bool(data["keep_split"]), str(data["set_digest"]), str(data["ggml"]), files,
             kvs_from_json(data["kvs"]), imatrix, str(data.get("recipe", "")), [str(n) for n in data.get("notes", [])],
         )  # fmt: skip
+        loss = data.get("predicted_loss")
+        plan.predicted_loss = float(loss) if isinstance(loss, (int, float)) and math.isfinite(loss) else None
         if any(f.number != k for k, f in enumerate(files, 1)) or not files:
             raise VariantError("files out of order")
         for f in files:
