@@ -337,3 +337,49 @@ def column_importance(values: np.ndarray, title: str) -> Figure:
     ax.set_ylabel("mean square activation")
     ax.set_title(title)
     return fig
+
+
+def cost_grids(grids: dict[str, tuple[list[str], list[int], np.ndarray]]) -> Figure:
+    """Each tensor's cost under a type, kind by layer (``explore.costs.cost_grid``), a panel per type,
+    on one logarithmic colour scale: where a type hurts, and how much more the next type down does."""
+    finite = [g[np.isfinite(g) & (g > 0)] for _, _, g in grids.values()]
+    values = np.concatenate(finite) if finite else np.array([1.0])
+    lo, hi = (np.log10(values.min()), np.log10(values.max())) if values.size else (0.0, 1.0)
+    kinds, layers, _ = next(iter(grids.values()))
+    fig = Figure(figsize=(4 + 3.2 * len(grids), 0.3 * len(kinds) + 1.8), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(1, len(grids), sharey=True))
+    im = None
+    for ax, (type_name, (_, _, grid)) in zip(axes, grids.items()):
+        with np.errstate(divide="ignore"):
+            shown = np.where(grid > 0, np.log10(np.where(grid > 0, grid, 1.0)), np.nan)
+        im = ax.imshow(shown, aspect="auto", cmap="magma", vmin=lo, vmax=hi, interpolation="nearest")
+        ax.set_title(type_name)
+        ax.set_xlabel("layer")
+        step = max(1, len(layers) // 8)
+        ax.set_xticks(range(0, len(layers), step), [layers[k] for k in range(0, len(layers), step)])
+    axes[0].set_yticks(range(len(kinds)), kinds, fontsize="small")
+    if im is not None:
+        fig.colorbar(im, ax=list(axes), label="log10 cost (expected squared change of the output)")
+    return fig
+
+
+def loss_curve(curve: list[tuple[int, float]], variants: list[dict[str, Any]]) -> Figure:
+    """The least loss for each size (``explore.costs.loss_curve``) and each variant's own (``variant_losses``):
+    a variant above the curve loses more than a mix of its size need."""
+    fig = Figure(figsize=(7.5, 4.5), layout="constrained")
+    ax = fig.subplots()
+    xs = [b / 1e6 for b, _ in curve]
+    ys = [max(loss, 1e-12) for _, loss in curve]
+    ax.plot(xs, ys, "-", color="tab:blue", label="--fit: the least loss for the size")
+    for r in variants:
+        if r["predicted loss"] is None:
+            continue
+        ax.plot(r["bytes"] / 1e6, max(r["predicted loss"], 1e-12), "o", color="tab:red")
+        ax.annotate(r["variant"], (r["bytes"] / 1e6, max(r["predicted loss"], 1e-12)), fontsize="small",
+                    xytext=(4, 4), textcoords="offset points")  # fmt: skip
+    ax.set_yscale("log")
+    ax.set_xlabel("tensor data (MB)")
+    ax.set_ylabel("predicted loss")
+    ax.set_title("size against loss: the curve a size is chosen from")
+    ax.legend(fontsize="small")
+    return fig

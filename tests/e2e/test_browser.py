@@ -36,7 +36,7 @@ PICTURES = {
     "03-convert-a-file.ipynb": 1,
     "04-vision-and-tokenizer.ipynb": 1,
     "05-verify-a-run.ipynb": 1,
-    "06-variants.ipynb": 4,
+    "06-variants.ipynb": 6,
     "07-importance-matrix.ipynb": 3,
 }
 # one widget per notebook to change, and how to tell its output changed: (css of the <select> or

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import ROOT
 from hub_server import HubServer
 
@@ -47,19 +48,54 @@ def test_every_bash_block_of_the_readme_and_docs_runs_as_written_after_the_demo(
         [sys.executable, "-m", "k3lab.cli", "demo"], cwd=tmp_path, capture_output=True, text=True, timeout=600
     )
     assert demo.returncode == 0, demo.stderr[-2000:]
-    with HubServer(tmp_path / "k3-demo" / "src", token=TOKEN) as hub:
-        env = hub.client_env(tmp_path, TOKEN) | {
-            "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
-            "K3LAB_HOME": str(
-                tmp_path
-            ),  # (a notebook's relative paths start here: this folder plays the checkout)
-        }
+    _run_every_block(tmp_path, bin_dir, dict(os.environ))
+
+
+@pytest.mark.slow
+def test_every_bash_block_runs_in_a_fresh_clone_after_only_the_readmes_first_command(tmp_path: Path) -> None:
+    """A newcomer's state, not a developer's: a clone of the repository's commit, the README's quick
+    start's first command run in it (its own ``.venv``, none of this one's packages: the demo's extras
+    only), then every block of the README and docs/ with that environment's commands."""
+    clone = tmp_path / "k3lab"
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True, timeout=300)
+    (quick,) = [b for b in re.findall(r"^```sh\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
+                if b.startswith("make demo")]  # fmt: skip
+    first = quick.splitlines()[0].split("#")[0].strip()
+    venv = os.environ.get("VIRTUAL_ENV", "")
+    path = [
+        p for p in os.environ.get("PATH", "").split(os.pathsep) if p and not (venv and p.startswith(venv))
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+    env["PATH"] = os.pathsep.join(path)
+    made = subprocess.run(["bash", "-e", "-c", first], cwd=clone, env=env, capture_output=True, text=True,
+                          timeout=3600)  # fmt: skip
+    assert made.returncode == 0, (made.stdout + made.stderr)[-3000:]
+    assert (clone / "k3-demo" / "out" / "IQ2_XXS").is_dir(), made.stdout[
+        -3000:
+    ]  # (a variant, as the README says)
+    _run_every_block(clone, str(clone / ".venv" / "bin"), env)
+
+
+def _run_every_block(cwd: Path, bin_dir: str, base_env: dict[str, str]) -> None:
+    """Each bash block of the README and docs/, in ``cwd`` (where `k3lab demo` ran), with the commands
+    of ``bin_dir`` first on PATH and the loopback Hub serving the demo's checkpoint."""
+    with HubServer(cwd / "k3-demo" / "src", token=TOKEN) as hub:
+        env = (
+            base_env
+            | hub.client_env(cwd, TOKEN)
+            | {
+                "PATH": f"{bin_dir}:{base_env.get('PATH', '')}",
+                "K3LAB_HOME": str(
+                    cwd
+                ),  # (a notebook's relative paths start here: this folder plays the checkout)
+            }
+        )
         for page, block in bash_blocks():
-            log = tmp_path / "block.log"
+            log = cwd / "block.log"
             with log.open("w") as said:  # (a file, not a pipe: a background job keeps no reader waiting)
                 run = subprocess.Popen(
                     ["bash", "-e", "-c", block],
-                    cwd=tmp_path,
+                    cwd=cwd,
                     env=env,
                     stdout=said,
                     stderr=subprocess.STDOUT,
@@ -74,5 +110,5 @@ def test_every_bash_block_of_the_readme_and_docs_runs_as_written_after_the_demo(
         published = {repo for repo in hub.repos if repo.startswith("k3lab-demo/")}
     assert published == {"k3lab-demo/Kimi-K3-GGUF", "k3lab-demo/Kimi-K3-GGUF-local"}, published
     for folder in ("k3-demo/recipe", "gguf/Kimi-K3", "gguf/Kimi-K3-local"):
-        assert (tmp_path / folder / "MANIFEST.json").is_file(), folder
-    assert (tmp_path / "02-on-the-hub.ipynb").is_file() and (tmp_path / "k3-meta" / "config.json").is_file()
+        assert (cwd / folder / "MANIFEST.json").is_file(), folder
+    assert (cwd / "02-on-the-hub.ipynb").is_file() and (cwd / "k3-meta" / "config.json").is_file()

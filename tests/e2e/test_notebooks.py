@@ -148,7 +148,8 @@ def test_05_verify_a_run(tiny_src: Path, tiny_out: Path, tmp_path: Path) -> None
 
 def test_06_variants(tiny_src: Path, tiny_out: Path, tmp_path: Path) -> None:
     """The whole model's size per variant, one layer's tensors quantised and compared, and (llama.cpp
-    installed) the variants made in the set's folder and their KL divergence from the lossless set."""
+    installed) the set's cost tables drawn with the size-loss curve, the variants made in the set's
+    folder and their KL divergence from the lossless set."""
     import importlib.util
     import shutil
 
@@ -165,6 +166,9 @@ def test_06_variants(tiny_src: Path, tiny_out: Path, tmp_path: Path) -> None:
     assert 0 < errors[(down, "Q8_0")] < errors[(down, "Q2_K")] < 1
     if importlib.util.find_spec("llama_cpp") is not None:
         assert set(r["kl"]) == {"Q8_0", "Q2_K", "MoE-Q2_K"} and r["kl"]["Q8_0"][0] < r["kl"]["Q2_K"][0]
+        # the cost tables' predicted loss orders them as llama.cpp's KL does
+        assert 0 < r["predicted"]["Q8_0"] < r["predicted"]["Q2_K"], r["predicted"]
+        assert any((out / ".k3lab" / "costs").glob("costs-*.json"))
         assert (out / "Q2_K" / "Kimi-K3-Q2_K-00001-of-00009.gguf").is_file()
 
 
