@@ -106,6 +106,42 @@ def test_fast_merges_equal_the_definition_on_a_large_vocabulary(tiny_src: Path) 
         assert bpe_merges(vocab) == merges_reference(vocab)
 
 
+def test_the_merges_a_child_derives_are_the_definitions_and_a_plan_never_loads_numba(
+    tiny_src: Path, tmp_path: Path
+) -> None:
+    """A process without numba has the merges derived by a child (LLVM never joins its memory): the
+    child's pairs are the definition's, on the large and the odd vocabularies; a child that cannot
+    run (no interpreter) leaves the work to this process, with the same pairs; and `k3lab plan` of the
+    tiny model, run as a user runs it, ends without numba imported."""
+    import subprocess
+    import sys
+
+    from k3lab.formats import bpe_merges as bm
+
+    ranked = read_tiktoken(tiny_src / "tiktoken.model")
+    big = extend_vocab(ranked, 40_000, seed=3)
+    odd = [bytes([b]) for b in range(256)] + [b"aa", b"aaaa", b"aaa", b"ab", b"aab", b"abab", b"ba", b"aba"]
+    rank_pairs = lambda v: [(v.index(a), v.index(b)) for a, b in merges_reference(v)]  # noqa: E731
+    for vocab in (big, odd):
+        got = bm._in_child(vocab)
+        assert got is not None and [(vocab[a], vocab[b]) for a, b in got] == merges_reference(vocab)
+    assert bm._in_child(odd) == rank_pairs(odd)
+    real = sys.executable
+    try:
+        sys.executable = str(tmp_path / "no-python")
+        assert bm._in_child(odd) is None
+    finally:
+        sys.executable = real
+    code = (
+        "import sys\nfrom k3lab.cli import main\n"
+        f"assert main(['plan', '--meta', {str(tiny_src)!r}, '--out-dir', {str(tmp_path / 'out')!r}]) == 0\n"
+        "print('numba' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "False"
+
+
 def test_chat_template_is_carried(tiny_src: Path, tmp_path: Path) -> None:
     meta = tmp_path / "meta"
     shutil.copytree(tiny_src, meta, ignore=shutil.ignore_patterns("*.safetensors"))

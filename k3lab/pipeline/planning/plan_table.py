@@ -66,6 +66,14 @@ def describe_plan(plan: Plan, jobs: int = 1, max_rows: int = 12) -> str:
         f"at most {jobs} x 2 output files ({human_bytes(2 * jobs * max(f.nbytes for f in plan.files))}: "
         "one written, one uploading)",
         f"memory: at most {human_bytes(peak)} per converting process (peak RSS, file-backed pages included), "
-        f"{human_bytes(jobs * peak)} for --jobs {jobs}",
+        f"{human_bytes(jobs * peak)} for --jobs {jobs}; this command so far: {human_bytes(_peak_rss())} "
+        "(making a plan holds the index's every name)",
     ]
     return "\n".join(lines)
+
+
+def _peak_rss() -> int:
+    """This process's peak RSS so far (Linux counts it in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -272,6 +272,7 @@ def plan_and_kvs(
             f"{weight_map[unused[0]]}: tensor {unused[0]} is not used by any rule (k3lab never drops "
             "a tensor silently)"
         )
+    del used, text_names, by_unit  # (the real model's 500,000 names: not held while the vocabulary is made)
     _check_outtype(outtype, [t for _, ts, _, _ in planned for t in ts], source)
     groups = group_units([(sum(t.nbytes for t in ts), len(ts)) for _, ts, _, _ in planned], split)
     files: list[PlannedFile] = []
@@ -288,6 +289,8 @@ def plan_and_kvs(
         pf.memory = max(planned[k][3] for k in group)
         files.append(pf)
     plan = Plan(model, cfg, outtype, basename, files, split=split)
+    if hasattr(source, "release_listing"):
+        source.release_listing()
     kvs = plan_kvs(plan, source.meta_dir, chat_template)
     label = size_label(plan, kvs, source.name) if len(files) == 1 else ""
     for f in files:

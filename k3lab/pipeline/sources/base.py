@@ -136,6 +136,11 @@ class Source(abc.ABC):
                 self._by_file.setdefault(file, set()).update(map(_NAME_OF, run))
         return self._by_file
 
+    def release_listing(self) -> None:
+        """Forget the names by file (made again from the index when asked): once a plan is made, what
+        holds the real model's 500,000 names twice over is not kept while its vocabulary is built."""
+        self._by_file = None
+
     def entry(self, name: str) -> TensorEntry:
         return self.entries((name,))[0]
 
