@@ -51,6 +51,9 @@ straightforward implementation), because these machines are shared and noisy. Ro
               weight measured on the widths set (its imatrix: tests/data), foretold per tensor; each
               mix's size, bits per weight of the experts and the rest, predicted loss
               (`python benchmarks/fit_table.py` prints docs/variants.md's table)
+  fitproof    where llama.cpp runs the model: on the 0.40B's shape, Q2_K and the MoE-Q2_K recipe against
+              `--fit` at each one's size, KL from the lossless set and the top token kept
+              (`python benchmarks/fit_proof.py`)
   tokenizer   GGUF vocabulary of the real size (163,840 ids) vs the straightforward per-token BPE
               reconstruction (as upstream does it) on the same vocabulary; the merges must agree
 """

@@ -13,6 +13,7 @@ import benchmarks  # noqa: E402
 from benchmarks import (  # noqa: E402,F401 (each registers its row)
     cluster,
     dense,
+    fit_proof,
     fit_table,
     fullscale,
     imatrix,

@@ -75,7 +75,7 @@ def fork_tree() -> Path:
     if not (tree / "common" / "jinja" / "parser.cpp").exists():
         pytest.skip(
             f"SKIPPED LOUDLY: no unsloth llama.cpp tree at {tree} (git clone -b kimi-k3-vision-only "
-            f"https://github.com/unslothai/llama.cpp and set {FORK_ENV})"
+            f"https://github.com/unslothai/llama.cpp, git checkout edfd4c1, and set {FORK_ENV})"
         )
     return tree
 

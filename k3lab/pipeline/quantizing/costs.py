@@ -38,7 +38,9 @@ CANDIDATES = ("Q8_0", "Q6_K", "Q5_1", "Q5_K", "Q5_0", "Q4_1", "Q4_K", "IQ4_NL", 
               "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "TQ1_0", "IQ1_S",
               "Q1_0")  # fmt: skip
 ROWS = 16  # rows measured per matrix (an expert's matrix is one): the real model in hours, not weeks
-FORMAT = "k3lab-costs/2"  # raised whenever the same inputs give other costs
+FORMAT = "k3lab-costs/3"  # raised whenever the same inputs give other costs
+# tensors read a row at a time (a token reads its row of the embedding), not multiplied: llama.cpp's names
+LOOKUPS = ("token_embd.weight", "per_layer_token_embd.weight")
 
 
 @dataclass(frozen=True)
@@ -107,12 +109,13 @@ def tensor_cost(
     matrix ``matrix`` (an expert of a stack; 0 for a 2-D tensor), ``importance`` float32
     [n_matrices * ne[0]] as llama-quantize gives it to ggml (None: no imatrix); ``share``: the part of
     the tokens each matrix sees (an expert: the tokens routed to it; default all: a dense tensor), by
-    which its loss counts in the whole."""
+    which its loss counts in the whole. A lookup (``LOOKUPS``: the embedding) is not a product: a token
+    reads one of its rows, so its loss is one row's, the rows' mean (not their sum)."""
     lib = ggml()
     n_cols, n_rows = ne[0], ne[1]
     n_mat = math.prod(ne[2:]) if len(ne) > 2 else 1
     picked = sample_rows(n_rows, rows)
-    scale = n_rows / len(picked)
+    scale = (1 if name in LOOKUPS else n_rows) / len(picked)
     out = TensorCost(name, type_name, ne, [Option(type_name, _nbytes(type_name, ne), 0.0)])
     chosen = [t for t in candidates(ne, importance is not None, types) if t != type_name]
     totals = dict.fromkeys(chosen, 0.0)
