@@ -38,9 +38,14 @@ CANDIDATES = ("Q8_0", "Q6_K", "Q5_1", "Q5_K", "Q5_0", "Q4_1", "Q4_K", "IQ4_NL", 
               "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "TQ1_0", "IQ1_S",
               "Q1_0")  # fmt: skip
 ROWS = 16  # rows measured per matrix (an expert's matrix is one): the real model in hours, not weeks
-FORMAT = "k3lab-costs/3"  # raised whenever the same inputs give other costs
-# tensors read a row at a time (a token reads its row of the embedding), not multiplied: llama.cpp's names
-LOOKUPS = ("token_embd.weight", "per_layer_token_embd.weight")
+FORMAT = "k3lab-costs/4"  # raised whenever the same inputs give other costs
+# tensors whose rows are the vocabulary's, by llama.cpp's names: their cost is one row's, the rows' mean
+# (not their sum). The embedding is read, not multiplied: a token reads its own row. The head's rows
+# are the logits: what moves the next token is the spread of their changes over the vocabulary (KL is
+# about half their variance under the model's distribution), not the sum of 163,840 squares, which
+# made the head outweigh every other tensor a millionfold (benchmarks/fit_proof.py: the head at Q4_K
+# moves nothing, the embedding at Q2_K moves everything).
+PER_ROW = ("token_embd.weight", "per_layer_token_embd.weight", "output.weight")
 
 
 @dataclass(frozen=True)
@@ -109,13 +114,13 @@ def tensor_cost(
     matrix ``matrix`` (an expert of a stack; 0 for a 2-D tensor), ``importance`` float32
     [n_matrices * ne[0]] as llama-quantize gives it to ggml (None: no imatrix); ``share``: the part of
     the tokens each matrix sees (an expert: the tokens routed to it; default all: a dense tensor), by
-    which its loss counts in the whole. A lookup (``LOOKUPS``: the embedding) is not a product: a token
-    reads one of its rows, so its loss is one row's, the rows' mean (not their sum)."""
+    which its loss counts in the whole. The vocabulary's tensors (``PER_ROW``: the embedding, the head)
+    count one row's loss, the rows' mean (not their sum)."""
     lib = ggml()
     n_cols, n_rows = ne[0], ne[1]
     n_mat = math.prod(ne[2:]) if len(ne) > 2 else 1
     picked = sample_rows(n_rows, rows)
-    scale = (1 if name in LOOKUPS else n_rows) / len(picked)
+    scale = (1 if name in PER_ROW else n_rows) / len(picked)
     out = TensorCost(name, type_name, ne, [Option(type_name, _nbytes(type_name, ne), 0.0)])
     chosen = [t for t in candidates(ne, importance is not None, types) if t != type_name]
     totals = dict.fromkeys(chosen, 0.0)
