@@ -235,6 +235,22 @@ def llama_imatrix() -> Path:
     )
 
 
+def llama_perplexity() -> Path:
+    """``llama-perplexity`` of the vendored tree (its ``--kl-divergence``: the figures publishers report),
+    on llama-cpp-python's libraries (all of ``common``)."""
+    v = vendor_tree()
+    common = sorted(p for d in ("", "jinja", "parsers") for p in (v / "common" / d).glob("*.cpp"))
+    return _tool(
+        "llama-perplexity",
+        [
+            v / "tools" / "perplexity" / "main.cpp",
+            v / "tools" / "perplexity" / "perplexity.cpp",
+            v / "vendor" / "cpp-httplib" / "httplib.cpp",
+        ]
+        + [p for p in common if p.name != "llguidance.cpp"],
+    )
+
+
 def quantize_like_llama(first: Path, out: Path, ftype: str, *flags: str, keep_split: bool = True) -> str:
     """``llama-quantize [--keep-split] --allow-requantize FLAGS FIRST OUT FTYPE``; its log."""
     cmd = [str(llama_quantize()), *(["--keep-split"] if keep_split else []), "--allow-requantize", *flags,

@@ -5,13 +5,14 @@ live in ``plots.py`` and the story in ``notebooks/``. One module per job: ``path
 notebook's paths start, where it writes its result), ``opening`` (a checkpoint and its plan, through
 the same request as the CLI), ``layouts`` (01), ``scales`` (02, 03), ``vision`` and ``chat`` (04), ``sets``
 (05), ``forwards`` (05: Moonshot's forward, the reference and llama.cpp, layer by layer), ``variants``
-(06: what each quantised variant does), ``costs`` (06: each tensor's cost per type, the size-loss curve), ``tables`` (HTML tables), ``live`` (controls and the view they drive), ``parameters`` (a
+(06: what each quantised variant does), ``costs`` (06: each tensor's cost per type, the size-loss curve), ``divergence`` (llama-perplexity's KL figures), ``tables`` (HTML tables), ``live`` (controls and the view they drive), ``parameters`` (a
 notebook's parameters checked as the CLI checks flags). A notebook imports ``k3lab.explore`` and finds them all here.
 """
 
 from __future__ import annotations
 
 from k3lab.explore.costs import COST_LADDER, cost_grid, cost_tables, loss_curve, variant_losses
+from k3lab.explore.divergence import KLStats, kl_stats
 from k3lab.explore.imatrix import column_importance, ensure_imatrix, statistics, stats_rows
 from k3lab.explore.layouts import (
     derive_tensor,
@@ -60,6 +61,8 @@ from k3lab.kimi_k3.explore.vision import image_way_in, tokenize_with_merges, vis
 
 __all__ = [
     "COST_LADDER",
+    "KLStats",
+    "kl_stats",
     "cost_grid",
     "cost_tables",
     "loss_curve",

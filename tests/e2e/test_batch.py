@@ -264,11 +264,11 @@ def test_a_batch_that_finishes_no_file_leaves_no_state(tiny_src: Path, tmp_path:
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
-@pytest.mark.slow  # (40 notebook runs: about 3 minutes on 2 cores, `make test-slow`)
+@pytest.mark.slow  # (8 runs of every notebook: minutes on 2 cores, `make test-slow`)
 def test_every_notebook_many_times_under_load_never_waits_past_its_timeout(
     tiny_src: Path, tmp_path: Path
 ) -> None:
-    """Each of the five notebooks run ROUNDS times by k3lab's batch runner (papermill in a process of
+    """Every notebook run ROUNDS times by k3lab's batch runner (papermill in a process of
     its own, a timeout on every cell and on the notebook), two at a time, while two busy processes
     hold both cores: every run ends well inside its notebook timeout, and ends ok (a run that hung
     would end failed at its cell timeout, naming the cell)."""
