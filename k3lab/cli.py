@@ -176,6 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
         "chosen from its measured cost, written as llama-quantize's --tensor-type-file (SET/LABEL.tensor-types.txt)",
     )
     q.add_argument(
+        "--kl-text",
+        metavar="FILE",
+        help="then measure each variant's KL from the lossless set on this text, as llama-perplexity "
+        "--kl-divergence reports it (llama.cpp runs both here: small sets); kept in its manifest and on the card",
+    )
+    q.add_argument(
+        "--kl-context", type=CHUNK, default=512, metavar="N", help="with --kl-text: llama-perplexity's -c"
+    )
+    q.add_argument(
         "--fit-ram",
         metavar="SIZE",
         help="the mix that loses least on a machine of SIZE memory (384G, 1000G...): the files plus the cache of "

@@ -31,6 +31,8 @@ class VariantRequest:
     include_weights: tuple[str, ...] = ()
     exclude_weights: tuple[str, ...] = ()
     override_kv: tuple[str, ...] = ()
+    kl_text: str | None = None  # measure each variant's KL from the lossless set on this text (small sets)
+    kl_context: int = 512
 
     @classmethod
     def of(cls, given: Any) -> VariantRequest:
@@ -182,7 +184,8 @@ def quantize(req: Any, asked: VariantRequest, say: Say | None = None) -> list[An
     variants = asked.build()
     if not variants:
         raise K3LabError("--type: name a type (Q2_K, IQ2_XXS, ...) or a recipe (MoE-Q2_K, ...)")
-    return quantize_set(
+    text = _kl_text(asked.kl_text) if asked.kl_text else None
+    made = quantize_set(
         req.load_model(),
         req.out_dir,
         variants,
@@ -194,6 +197,56 @@ def quantize(req: Any, asked: VariantRequest, say: Say | None = None) -> list[An
         threads=asked.threads,
         publication=dataclasses.replace(pub, beside=False) if (pub := req.publication()) else None,
     )
+    if text is not None:
+        measure_kl(req, [v.label for v in variants], text, asked.kl_context, say)
+    return made
+
+
+def _kl_text(path: str) -> tuple[str, str, str]:
+    """``--kl-text``'s file: (its name, its text, its SHA-256), one line when it is not a text file."""
+    import hashlib
+
+    from k3lab.formats.files import read_bounded
+
+    data = read_bounded(path, 64 << 20, "--kl-text")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise K3LabError(f"--kl-text {path}: not UTF-8 text") from None
+    import os.path
+
+    return os.path.basename(path), text, hashlib.sha256(data).hexdigest()
+
+
+def measure_kl(
+    req: Any, labels: list[str], text: tuple[str, str, str], n_ctx: int, say: Say | None = None
+) -> list[Any]:
+    """Each variant's KL from the lossless set on ``text`` as ``llama-perplexity --kl-divergence`` reports it
+    (``explore.divergence``: llama.cpp runs both here, so small sets), kept in the variant's plan and
+    stated in its manifest's ``made_as`` (and so on the card)."""
+    from k3lab.explore.divergence import kl_stats
+    from k3lab.pipeline.state import OutputFolder
+
+    folder = OutputFolder(req.out_dir)
+    plan = folder.plans.require(req.load_model())
+    base = folder.output(plan.files[0].filename)
+    name, body, sha = text
+    out = []
+    for label in labels:
+        vf = folder.variant(label)
+        vp = vf.variant_plan.load()
+        if vp is None or not all(vf.records.is_complete(f.number, f.filename, f.digest) for f in vp.files):
+            continue
+        got = kl_stats(base, vf.output(vp.files[0].filename), label, body, n_ctx)
+        vp.kl = (f"(llama-perplexity --kl-divergence, -c {n_ctx}, {got.positions} positions of {name} SHA-256 "
+                 f"{sha[:16]}): mean {got.mean:.6f}, median {got.median:.6f}, 99% {got.p99:.6f}, 99.9% "
+                 f"{got.p999:.6f}, max {got.maximum:.6f}, same-top {100 * got.same_top:.3f}%")  # fmt: skip
+        vf.variant_plan.save(vp)
+        vf.records.merge(made_as=vp.made_as())
+        if say is not None:
+            say(got.line())
+        out.append(got)
+    return out
 
 
 def forecast(req: Any, asked: VariantRequest) -> list[Any]:

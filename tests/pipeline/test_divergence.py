@@ -62,3 +62,17 @@ def test_k3labs_kl_is_llama_perplexitys_on_the_same_tokens(tiny_one: Path, tmp_p
             getattr(ours, key),
             value,
         )
+
+    # the same figures, measured by `quantize --kl-text` and kept in the variant's manifest (its card row)
+    import json
+
+    from k3lab.pipeline.quantizing.variant import measured_of
+
+    assert main(["quantize", str(set_dir), "--type", "Q2_K", "--label", "q2-kl", "--kl-text", str(TEXT),
+                 "--kl-context", str(n_ctx), "--quiet"]) == 0  # fmt: skip
+    made_as = json.loads((set_dir / "q2-kl" / "MANIFEST.json").read_text())["made_as"]
+    assert f"mean {theirs['mean']:.6f}" in made_as and f"same-top {100 * theirs['same_top']:.3f}%" in made_as
+    assert measured_of(made_as) == f"{theirs['p999']:.6f} / {100 * theirs['same_top']:.3f}%"
+    assert main(["verify", str(set_dir / "q2-kl"), "--quiet"]) == 0
+    assert main(["quantize", str(set_dir), "--type", "Q2_K", "--label", "bad", "--kl-text", str(tmp_path / "none.txt"),
+                 "--quiet"]) == 2 and not (set_dir / "bad").exists()  # fmt: skip

@@ -215,13 +215,13 @@ def variants_section(repo: str, local: str, variants: dict[str, tuple[list[Recor
     same bytes from the set above (empty when there are none)."""
     if not variants:
         return ""
-    from k3lab.pipeline.quantizing.variant import predicted_of
+    from k3lab.pipeline.quantizing.variant import measured_of, predicted_of
 
     largest = max(sum(r.size for r in recs) for recs, _ in variants.values())
     unit = size_unit(largest)
     rows = [
-        f"| variant | files | size ({unit[0]}) | bits per weight | predicted loss | download |",
-        "| --- | ---: | ---: | ---: | ---: | --- |",
+        f"| variant | files | size ({unit[0]}) | bits per weight | predicted loss | KL 99.9% / same top | download |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     made = []
     for label, (recs, command) in sorted(variants.items()):
@@ -229,7 +229,7 @@ def variants_section(repo: str, local: str, variants: dict[str, tuple[list[Recor
         weights = sum(_count(t.ne) for r in recs for t in r.tensors)
         rows.append(
             f"| `{label}` | {len(recs)} | {in_unit(size, unit).split()[0]} | {8 * size / max(weights, 1):.2f} | "
-            f"{predicted_of(command) or '-'} | "
+            f"{predicted_of(command) or '-'} | {measured_of(command) or '-'} | "
             f'`hf download {repo} --include "{label}/*" --local-dir {local}` |'
         )
         if command:
@@ -245,7 +245,10 @@ def variants_section(repo: str, local: str, variants: dict[str, tuple[list[Recor
             "with about its size in memory (RAM, or RAM and VRAM), plus the context's cache; with the routed "
             "experts kept in RAM (`-ot exps=CPU`) a GPU needs only the rest. The predicted loss, where k3lab "
             "measured the set's cost tables (`k3lab quantize --fit`), is every tensor's expected squared change "
-            "of its output under its type, summed: lower loses less; it compares the variants of one set.",
+            "of its output under its type, summed: lower loses less; it compares the variants of one set. The KL, "
+            "where k3lab measured it (`k3lab quantize --kl-text`), is `llama-perplexity --kl-divergence`'s: its "
+            "99.9th percentile and the share of positions whose top token stays (the command's comment says on "
+            "which text).",
             "",
             *rows,
             "",

@@ -125,6 +125,18 @@ PREDICTED_WORDS = (
 )
 
 
+MEASURED = "# KL from the lossless set"  # (a line of ``made_as``: llama-perplexity --kl-divergence's figures)
+
+
+def measured_of(made_as: str) -> str | None:
+    """The KL line's 99.9% figure and same-top share a variant's ``made_as`` states (None: none measured)."""
+    for line in made_as.splitlines():
+        if line.startswith(MEASURED + " "):
+            got = dict(part.split(" ", 1) for part in line.split(": ", 1)[1].split(", ") if " " in part)
+            return f"{got.get('99.9%', '?')} / {got.get('same-top', '?')}"
+    return None
+
+
 def predicted_of(made_as: str) -> str | None:
     """The predicted loss a variant's ``made_as`` states, as written (None when it states none)."""
     for line in made_as.splitlines():
@@ -149,6 +161,7 @@ class VariantPlan:
     predicted_loss: float | None = (
         None  # from the set's cost tables, where they are (``costs.predicted_loss``)
     )
+    kl: str = ""  # llama-perplexity's KL figures, measured after the files are made (``quantize --kl-text``)
 
     @property
     def n_tensors(self) -> int:
@@ -185,6 +198,8 @@ class VariantPlan:
         made = self.command() + (self.imatrix.made_from() if self.imatrix is not None else "")
         if self.predicted_loss is not None:
             made += f"\n{PREDICTED} {self.predicted_loss:.4g}: {PREDICTED_WORDS}"
+        if self.kl:
+            made += f"\n{MEASURED} {self.kl}"
         return made
 
     @property
@@ -205,6 +220,7 @@ class VariantPlan:
             "kvs": kvs_to_json(self.kvs),
             "notes": self.notes,
             "predicted_loss": self.predicted_loss,
+            "kl": self.kl,
             "files": [
                 {
                     "number": f.number,
@@ -245,6 +261,8 @@ class VariantPlan:
         )  # fmt: skip
         loss = data.get("predicted_loss")
         plan.predicted_loss = float(loss) if isinstance(loss, (int, float)) and math.isfinite(loss) else None
+        kl = data.get("kl")
+        plan.kl = kl[:400] if isinstance(kl, str) and "\n" not in kl else ""
         if any(f.number != k for k, f in enumerate(files, 1)) or not files:
             raise VariantError("files out of order")
         for f in files:
