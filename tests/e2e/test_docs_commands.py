@@ -70,9 +70,9 @@ def test_every_bash_block_runs_in_a_fresh_clone_after_only_the_readmes_first_com
     made = subprocess.run(["bash", "-e", "-c", first], cwd=clone, env=env, capture_output=True, text=True,
                           timeout=3600)  # fmt: skip
     assert made.returncode == 0, (made.stdout + made.stderr)[-3000:]
-    assert (clone / "k3-demo" / "out" / "IQ2_XXS").is_dir(), made.stdout[
-        -3000:
-    ]  # (a variant, as the README says)
+    # a variant made and a chat reply printed, as the README says
+    assert (clone / "k3-demo" / "out" / "IQ2_XXS").is_dir(), made.stdout[-3000:]
+    assert re.search(r"^  assistant: ['\"]", made.stdout, re.M), made.stdout[-3000:]
     _run_every_block(clone, str(clone / ".venv" / "bin"), env)
 
 
