@@ -28,7 +28,9 @@ from k3lab.cli_flags import (  # noqa: F401 (EXAMPLES: the reference page's)
     EXAMPLES,
     EXPERTS,
     FILES_HELP,
+    FIT_FLAGS,
     JOBS,
+    KL_FLAGS,
     POSITIVE,
     PUSH_FLAGS,
     REPO,
@@ -169,46 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--push-to", metavar="ORG/NAME", type=REPO, help="publish each variant file to this repo (LABEL/)"
     )
     q.add_argument("--keep-local", action="store_true", help="keep each variant file after uploading it")
-    q.add_argument(
-        "--fit",
-        metavar="SIZE",
-        help="the mix that loses least within SIZE (500G, 470G...): every tensor's type "
-        "chosen from its measured cost, written as llama-quantize's --tensor-type-file (SET/LABEL.tensor-types.txt)",
-    )
-    q.add_argument(
-        "--kl-text",
-        metavar="FILE",
-        help="then measure each variant's KL from the lossless set on this text, as llama-perplexity "
-        "--kl-divergence reports it (llama.cpp runs both here: small sets); kept in its manifest and on the card",
-    )
-    q.add_argument(
-        "--kl-context", type=CHUNK, default=512, metavar="N", help="with --kl-text: llama-perplexity's -c"
-    )
-    q.add_argument(
-        "--fit-ram",
-        metavar="SIZE",
-        help="the mix that loses least on a machine of SIZE memory (384G, 1000G...): the files plus the cache of "
-        "--fit-context's tokens; with --fit-vram, the routed experts in RAM (llama.cpp's --cpu-moe), the rest and "
-        "the cache on the GPU",
-    )
-    q.add_argument("--fit-vram", metavar="SIZE", help="with --fit-ram: the GPU's memory (24G, 80G...)")
-    q.add_argument(
-        "--fit-context",
-        type=CHUNKS,
-        metavar="N",
-        help="with --fit-ram: the context the machine runs (llama.cpp's -c; default the model's context length, "
-        "as llama.cpp takes it without -c)",
-    )
-    q.add_argument(
-        "--fit-rows", type=JOBS, metavar="N", help="rows of every matrix measured per type (default 16)"
-    )
-    q.add_argument(
-        "--fit-floor",
-        metavar="TYPE",
-        default="Q2_K",
-        help="with --fit: what every token passes through (all "
-        "but the routed experts) at this type's bits per weight or more (default Q2_K; none: no floor)",
-    )
+    _flags(q, FIT_FLAGS, KL_FLAGS)
     _flags(q, {"--retry-budget": SOURCE_FLAGS["--retry-budget"]}, PUSH_FLAGS)
 
     im = command(

@@ -103,6 +103,25 @@ VARIANT_FLAGS = {  # llama-quantize's own flags, with its meaning
     "--threads": dict(type=values.argument(values.count, 1, 1024), metavar="N",
                       help="threads quantising (default: the cores)"),
 }  # fmt: skip
+FIT_FLAGS = {  # quantize's: a mix computed from every tensor's measured cost
+    "--fit": dict(metavar="SIZE", help="the mix that loses least within SIZE (500G, 470G...): every tensor's type "
+                  "chosen from its measured cost, written as llama-quantize's --tensor-type-file (SET/LABEL.tensor-types.txt)"),
+    "--fit-ram": dict(metavar="SIZE", help="the mix that loses least on a machine of SIZE memory (384G, 1000G...): the "
+                      "files plus the cache of --fit-context's tokens; with --fit-vram, the routed experts in RAM "
+                      "(llama.cpp's --cpu-moe), the rest and the cache on the GPU"),
+    "--fit-vram": dict(metavar="SIZE", help="with --fit-ram: the GPU's memory (24G, 80G...)"),
+    "--fit-context": dict(type=CHUNKS, metavar="N", help="with --fit-ram: the context the machine runs (llama.cpp's "
+                          "-c; default the model's context length, as llama.cpp takes it without -c)"),
+    "--fit-rows": dict(type=JOBS, metavar="N", help="rows of every matrix measured per type (default 16)"),
+    "--fit-floor": dict(metavar="TYPE", default="Q2_K", help="with --fit: what every token passes through (all but "
+                        "the routed experts) at this type's bits per weight or more (default Q2_K; none: no floor)"),
+}  # fmt: skip
+KL_FLAGS = {  # quantize's: each variant measured as llama-perplexity --kl-divergence measures it
+    "--kl-text": dict(metavar="FILE", help="then measure each variant's KL from the lossless set on this text, as "
+                      "llama-perplexity --kl-divergence reports it (llama.cpp runs both here: small sets); kept in its "
+                      "manifest and on the card"),
+    "--kl-context": dict(type=CHUNK, default=512, metavar="N", help="with --kl-text: llama-perplexity's -c"),
+}  # fmt: skip
 PUSH_FLAGS = {
     "--push-branch": dict(help="the branch to publish to (default: main; made if missing)"),
     "--private": dict(action="store_true", help="make the repo private when creating it"),

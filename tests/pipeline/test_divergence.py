@@ -66,7 +66,7 @@ def test_k3labs_kl_is_llama_perplexitys_on_the_same_tokens(tiny_one: Path, tmp_p
     # the same figures, measured by `quantize --kl-text` and kept in the variant's manifest (its card row)
     import json
 
-    from k3lab.pipeline.quantizing.variant import measured_of
+    from k3lab.pipeline.quantizing.quality import measured_of
 
     assert main(["quantize", str(set_dir), "--type", "Q2_K", "--label", "q2-kl", "--kl-text", str(TEXT),
                  "--kl-context", str(n_ctx), "--quiet"]) == 0  # fmt: skip

@@ -324,7 +324,7 @@ def _the_manifest_predicts_the_tables_loss(set_dir: Path, label: str) -> None:
 
     from gguf import GGUFReader
 
-    from k3lab.pipeline.quantizing.variant import predicted_of
+    from k3lab.pipeline.quantizing.quality import predicted_of
     from k3lab.pipeline.state.codec import read_state
 
     (table,) = (set_dir / ".k3lab" / "costs").glob("costs-*.json")

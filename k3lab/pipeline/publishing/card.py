@@ -215,7 +215,7 @@ def variants_section(repo: str, local: str, variants: dict[str, tuple[list[Recor
     same bytes from the set above (empty when there are none)."""
     if not variants:
         return ""
-    from k3lab.pipeline.quantizing.variant import measured_of, predicted_of
+    from k3lab.pipeline.quantizing.quality import measured_of, predicted_of
 
     largest = max(sum(r.size for r in recs) for recs, _ in variants.values())
     unit = size_unit(largest)

@@ -45,6 +45,7 @@ from k3lab.pipeline.quantizing.llama_types import (
     llama_order,
 )
 from k3lab.pipeline.quantizing.metadata import lossless_kvs, variant_kvs
+from k3lab.pipeline.quantizing.quality import MEASURED, PREDICTED, PREDICTED_WORDS
 from k3lab.pipeline.quantizing.recipes import command, recipe
 from k3lab.pipeline.quantizing.variant_notes import notes, tensor_bytes
 
@@ -115,34 +116,6 @@ class VariantFile:
     def source_bytes(self) -> int:
         """The lossless file's bytes it reads (what a run's bar counts)."""
         return sum(tensor_bytes(t.source_type, t.ne) for t in self.tensors)
-
-
-PREDICTED = (
-    "# predicted loss"  # (a line of ``made_as``: the manifest's and the card's; ``predicted_of`` reads it)
-)
-PREDICTED_WORDS = (
-    "every tensor's measured cost under its type, summed (k3lab's cost tables of the set; the lossless set 0)"
-)
-
-
-MEASURED = "# KL from the lossless set"  # (a line of ``made_as``: llama-perplexity --kl-divergence's figures)
-
-
-def measured_of(made_as: str) -> str | None:
-    """The KL line's 99.9% figure and same-top share a variant's ``made_as`` states (None: none measured)."""
-    for line in made_as.splitlines():
-        if line.startswith(MEASURED + " "):
-            got = dict(part.split(" ", 1) for part in line.split(": ", 1)[1].split(", ") if " " in part)
-            return f"{got.get('99.9%', '?')} / {got.get('same-top', '?')}"
-    return None
-
-
-def predicted_of(made_as: str) -> str | None:
-    """The predicted loss a variant's ``made_as`` states, as written (None when it states none)."""
-    for line in made_as.splitlines():
-        if line.startswith(PREDICTED + " "):
-            return line[len(PREDICTED) + 1 :].split(":", 1)[0]
-    return None
 
 
 @dataclass
