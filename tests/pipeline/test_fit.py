@@ -344,7 +344,8 @@ def test_on_the_040b_shape_the_fit_loses_less_than_the_ftype_and_the_recipe_of_t
     file, its imatrix made by `k3lab imatrix`), at the size of llama.cpp's Q2_K and of k3lab's MoE-Q2_K
     recipe, the fitted mix moves llama.cpp's next-token distribution less (mean KL from the lossless
     set over 3,000 characters of text, as `llama-perplexity --kl-divergence` defines it) and keeps its
-    top token at least as often. (With the head's cost summed over its rows, it lost to the recipe.)"""
+    top token at least as often; each fitted variant is llama-quantize's bytes given the type file it
+    wrote. (With the head's cost summed over its rows, it lost to the recipe.)"""
     import sys
 
     sys.path.insert(0, str(ROOT))
@@ -366,3 +367,4 @@ def test_on_the_040b_shape_the_fit_loses_less_than_the_ftype_and_the_recipe_of_t
             figures[f"0.40B {kind}"],
             figures[f"0.40B fit-{kind}"],
         )
+        _llama_quantize_made_it(tmp_path / "set", f"fit-{kind}", tmp_path)  # (and llama-quantize's bytes)
