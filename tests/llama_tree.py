@@ -183,7 +183,8 @@ def _tool(name: str, sources: list[Path]) -> Path:
     binary = CACHE / f"{name}-{digest}"
     if binary.exists():
         return binary
-    objs = CACHE / f"{name}-{digest}.objs"
+    # (one folder of objects for every tool: common's are the same files with the same flags, compiled once)
+    objs = CACHE / f"tool-objs-{__import__('hashlib').sha256(str(lib).encode()).hexdigest()[:12]}"
     objs.mkdir(parents=True, exist_ok=True)
     info = objs / "build-info.cpp"
     info.write_text(
