@@ -27,13 +27,11 @@ MACHINES = [  # (RAM, VRAM or None, context)
 
 def _reference(folder: object, imatrix: object) -> tuple[object, object, dict]:
     from k3lab.kimi_k3.model import MODEL
-    from k3lab.pipeline.quantizing.llama_types import QuantSpec
-    from k3lab.pipeline.quantizing.start import plan_variants
-    from k3lab.pipeline.quantizing.variant import Variant
+    from k3lab.pipeline.quantizing.fit import reference_plan
 
     plan = folder.plans.require(MODEL)  # type: ignore[attr-defined]
     kvs = folder.plans.kvs(plan)  # type: ignore[attr-defined]
-    (ref,) = plan_variants(plan, kvs, [Variant("fit", QuantSpec("Q8_0"), imatrix)], True)
+    ref = reference_plan(plan, kvs, imatrix)
     return plan, ref, {kv.key: kv.value for kv in kvs}
 
 

@@ -185,6 +185,10 @@ def quantize(req: Any, asked: VariantRequest, say: Say | None = None) -> list[An
     if not variants:
         raise K3LabError("--type: name a type (Q2_K, IQ2_XXS, ...) or a recipe (MoE-Q2_K, ...)")
     text = _kl_text(asked.kl_text) if asked.kl_text else None
+    if text is not None:
+        from k3lab.explore.divergence import check_text
+
+        check_text(_lossless_first(req), text[1], asked.kl_context)
     made = quantize_set(
         req.load_model(),
         req.out_dir,
@@ -202,9 +206,18 @@ def quantize(req: Any, asked: VariantRequest, say: Say | None = None) -> list[An
     return made
 
 
+def _lossless_first(req: Any) -> Any:
+    """The first file of the lossless set in ``req.out_dir`` (what llama.cpp loads it by)."""
+    from k3lab.pipeline.state import OutputFolder
+
+    folder = OutputFolder(req.out_dir)
+    return folder.output(folder.plans.require(req.load_model()).files[0].filename)
+
+
 def _kl_text(path: str) -> tuple[str, str, str]:
     """``--kl-text``'s file: (its name, its text, its SHA-256), one line when it is not a text file."""
     import hashlib
+    import os.path
 
     from k3lab.formats.files import read_bounded
 
@@ -213,8 +226,6 @@ def _kl_text(path: str) -> tuple[str, str, str]:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise K3LabError(f"--kl-text {path}: not UTF-8 text") from None
-    import os.path
-
     return os.path.basename(path), text, hashlib.sha256(data).hexdigest()
 
 
@@ -228,8 +239,7 @@ def measure_kl(
     from k3lab.pipeline.state import OutputFolder
 
     folder = OutputFolder(req.out_dir)
-    plan = folder.plans.require(req.load_model())
-    base = folder.output(plan.files[0].filename)
+    base = _lossless_first(req)
     name, body, sha = text
     out = []
     for label in labels:

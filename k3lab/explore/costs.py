@@ -22,10 +22,8 @@ def cost_tables(out_dir: str | Path, imatrix: str | None = None, rows: int = 16)
     set's own), kept beside the set as ``--fit`` keeps them; and the bytes of what is kept as it is."""
     from k3lab.explore.variants import set_imatrix
     from k3lab.pipeline.quantizing.costs import set_tables
+    from k3lab.pipeline.quantizing.fit import reference_plan
     from k3lab.pipeline.quantizing.imatrix_files import open_imatrix
-    from k3lab.pipeline.quantizing.llama_types import QuantSpec
-    from k3lab.pipeline.quantizing.start import plan_variants
-    from k3lab.pipeline.quantizing.variant import Variant
     from k3lab.pipeline.state import OutputFolder
     from k3lab.request import Request
 
@@ -33,8 +31,7 @@ def cost_tables(out_dir: str | Path, imatrix: str | None = None, rows: int = 16)
     plan = folder.plans.require(Request(out_dir=str(out_dir)).load_model())
     location = set_imatrix(out_dir, imatrix)
     use = open_imatrix(location) if location else None
-    (reference,) = plan_variants(plan, folder.plans.kvs(plan), [Variant("fit", QuantSpec("Q8_0"), use)], True)
-    return set_tables(folder, reference, rows)
+    return set_tables(folder, reference_plan(plan, folder.plans.kvs(plan), use), rows)
 
 
 def cost_grid(tables: list[Any], types: tuple[str, ...]) -> tuple[list[str], list[int], np.ndarray]:

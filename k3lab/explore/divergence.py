@@ -18,6 +18,7 @@ vendors, ``tools/perplexity/perplexity.cpp``):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,9 +46,10 @@ class KLStats:
                 f"{100 * self.same_top:.3f}%")  # fmt: skip
 
 
-def chunk_logits(gguf_path: str | Path, text: str, n_ctx: int) -> tuple[list[list[int]], list[np.ndarray]]:
-    """The chunks of ``text`` and, per chunk, the float32 logits at its scored positions, as llama-perplexity
-    evaluates them (one ``llama_cpp.Llama`` for all chunks, its memory cleared before each)."""
+def chunk_logits(gguf_path: str | Path, text: str, n_ctx: int) -> Iterator[tuple[list[int], np.ndarray]]:
+    """Chunk by chunk, the chunk of ``text`` and the float32 logits at its scored positions, as
+    llama-perplexity evaluates them (one ``llama_cpp.Llama`` for all chunks, its memory cleared before
+    each; one chunk's logits held at a time: a long text costs time, not memory)."""
     import llama_cpp
 
     from k3lab.errors import K3LabError
@@ -63,7 +65,6 @@ def chunk_logits(gguf_path: str | Path, text: str, n_ctx: int) -> tuple[list[lis
         if llama_cpp.llama_vocab_get_add_bos(llama_cpp.llama_model_get_vocab(llm.model))
         else None
     )
-    chunks, logits = [], []
     first = n_ctx // 2
     n_vocab = llm.n_vocab()
     batch = llama_cpp.llama_batch_init(n_ctx, 0, 1)
@@ -84,11 +85,22 @@ def chunk_logits(gguf_path: str | Path, text: str, n_ctx: int) -> tuple[list[lis
             rows = np.ctypeslib.as_array(out, shape=((n_ctx - first) * n_vocab,)).reshape(
                 n_ctx - first, n_vocab
             )
-            chunks.append(chunk)
-            logits.append(rows[: n_ctx - 1 - first].astype(np.float32, copy=True))
+            yield chunk, rows[: n_ctx - 1 - first].astype(np.float32, copy=True)
     finally:
         llama_cpp.llama_batch_free(batch)
-    return chunks, logits
+
+
+def check_text(gguf_path: str | Path, text: str, n_ctx: int) -> None:
+    """One line unless ``text`` holds a whole chunk of ``n_ctx`` tokens of the set's vocabulary (read
+    alone, no weights: said before a variant is made)."""
+    import llama_cpp
+
+    from k3lab.errors import K3LabError
+
+    vocab = llama_cpp.Llama(str(gguf_path), vocab_only=True, verbose=False)
+    n = len(vocab.tokenize(text.encode(), add_bos=True, special=False))
+    if n < n_ctx:
+        raise K3LabError(f"--kl-text: {n} tokens, fewer than one chunk of --kl-context {n_ctx}")
 
 
 def _stored(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -122,14 +134,13 @@ def _kl_rows(logits: np.ndarray, scale: np.ndarray, min_log_prob: np.ndarray, co
 
 def kl_stats(base: str | Path, variant: str | Path, label: str, text: str, n_ctx: int = 512) -> KLStats:
     """``llama-perplexity --kl-divergence``'s figures for ``variant`` against ``base`` on ``text``."""
-    _, base_logits = chunk_logits(base, text, n_ctx)
-    _, var_logits = chunk_logits(variant, text, n_ctx)
-    kls, same = [], []
-    for b, v in zip(base_logits, var_logits):
+    kls, same = [], []  # (per position: a float and a bool; the logits go chunk by chunk)
+    for (_, b), (_, v) in zip(chunk_logits(base, text, n_ctx), chunk_logits(variant, text, n_ctx)):
         k, s = _kl_rows(v, *_stored(b))
         kls.append(k)
         same.append(s)
-    values = np.sort(np.concatenate(kls).astype(np.float32))
+    all_kl = np.concatenate(kls)
+    values = np.sort(all_kl.astype(np.float32))
     n = values.size
 
     def percentile(fraction: float) -> float:
@@ -139,6 +150,5 @@ def kl_stats(base: str | Path, variant: str | Path, label: str, text: str, n_ctx
         return float((np.float32(1) - p) * values[ip] + p * values[min(ip + 1, n - 1)])
 
     median = 0.5 * (values[n // 2] + values[n // 2 - 1]) if n % 2 == 0 else values[n // 2]
-    all_kl = np.concatenate(kls)
     return KLStats(label, n, float(all_kl.mean()), float(median), percentile(0.99), percentile(0.999),
                    float(values[-1]), float(np.concatenate(same).mean()))  # fmt: skip

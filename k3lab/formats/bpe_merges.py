@@ -132,13 +132,14 @@ def _child_main() -> None:  # pragma: no cover - run in the child
 
 def _die_with(parent: int) -> None:  # pragma: no cover - run in the child
     """SIGKILL when the parent goes (prctl PR_SET_PDEATHSIG), and out now if it went already."""
+    import contextlib
     import ctypes
     import signal
 
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    with contextlib.suppress(
+        OSError, AttributeError
+    ):  # (no prctl: not Linux; the parent's exit still ends stdin)
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:
         os._exit(1)
 

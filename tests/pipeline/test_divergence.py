@@ -74,5 +74,10 @@ def test_k3labs_kl_is_llama_perplexitys_on_the_same_tokens(tiny_one: Path, tmp_p
     assert f"mean {theirs['mean']:.6f}" in made_as and f"same-top {100 * theirs['same_top']:.3f}%" in made_as
     assert measured_of(made_as) == f"{theirs['p999']:.6f} / {100 * theirs['same_top']:.3f}%"
     assert main(["verify", str(set_dir / "q2-kl"), "--quiet"]) == 0
-    assert main(["quantize", str(set_dir), "--type", "Q2_K", "--label", "bad", "--kl-text", str(tmp_path / "none.txt"),
-                 "--quiet"]) == 2 and not (set_dir / "bad").exists()  # fmt: skip
+    (tmp_path / "short.txt").write_text("Hello.")
+    for text in (
+        tmp_path / "none.txt",
+        tmp_path / "short.txt",
+    ):  # (no file; less than a chunk: before any work)
+        assert main(["quantize", str(set_dir), "--type", "Q2_K", "--label", "bad", "--kl-text", str(text),
+                     "--quiet"]) == 2 and not (set_dir / "bad").exists()  # fmt: skip

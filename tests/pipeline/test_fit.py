@@ -284,18 +284,16 @@ def test_tables_foretold_from_measured_ones_keep_their_bytes_and_each_kinds_loss
     from k3lab.errors import K3LabError
     from k3lab.kimi_k3.model import MODEL
     from k3lab.pipeline.quantizing.costs import set_tables
+    from k3lab.pipeline.quantizing.fit import reference_plan
     from k3lab.pipeline.quantizing.forecast import foretold, kind, rates
     from k3lab.pipeline.quantizing.imatrix_files import open_imatrix
-    from k3lab.pipeline.quantizing.llama_types import QuantSpec
-    from k3lab.pipeline.quantizing.start import plan_variants
-    from k3lab.pipeline.quantizing.variant import Variant
     from k3lab.pipeline.state import OutputFolder
 
     folder = OutputFolder(widths_set)
     plan = folder.plans.require(MODEL)
     kvs = folder.plans.kvs(plan)
     use = open_imatrix(str(IMATRIX))
-    (ref,) = plan_variants(plan, kvs, [Variant("fit", QuantSpec("Q8_0"), use)], True)
+    ref = reference_plan(plan, kvs, use)
     measured, _ = set_tables(folder, ref)
     share = 2 / 4  # (the widths preset: 2 of 4 experts per token)
     got, _ = foretold(ref, rates(measured, share), share)

@@ -211,6 +211,18 @@ def floor_bits(name: str) -> float:
     return 8 * tr.block_bytes / tr.block
 
 
+def reference_plan(plan: Any, kvs: Any, use: Any) -> Any:
+    """The variant plan the tables are made over: every tensor llama-quantize quantises in the set
+    ``plan`` describes (``kvs``: its file 1's keys), with the imatrix ``use`` (sizes only: nothing is
+    made from it; which tensors are quantised does not depend on the type)."""
+    from k3lab.pipeline.quantizing.llama_types import QuantSpec
+    from k3lab.pipeline.quantizing.start import plan_variants
+    from k3lab.pipeline.quantizing.variant import Variant
+
+    (reference,) = plan_variants(plan, kvs, [Variant("fit", QuantSpec("Q8_0"), use)], True)
+    return reference
+
+
 def choose_mix(folder: Any, plan: Any, label: str, use: Any, budget: Budget, bits: float, rows: int,
                say: Callable[[str], None] | None = None) -> tuple[Fitted, str]:  # fmt: skip
     """The mix of the set in ``folder`` (its ``plan``) that loses least in a variant within
@@ -222,7 +234,7 @@ def choose_mix(folder: Any, plan: Any, label: str, use: Any, budget: Budget, bit
     from k3lab.pipeline.quantizing.variant import Variant
 
     kvs = folder.plans.kvs(plan)
-    (reference,) = plan_variants(plan, kvs, [Variant("fit", QuantSpec("Q8_0"), use)], True)
+    reference = reference_plan(plan, kvs, use)
     tables, fixed = set_tables(folder, reference, rows, say)
     fixed_gpu = sum(t.nbytes for f in reference.files for t in f.tensors
                     if not t.quantized and not CPU_MOE.search(t.name))  # fmt: skip

@@ -20,7 +20,8 @@ import re
 from typing import Any
 
 from k3lab.errors import K3LabError
-from k3lab.pipeline.quantizing.costs import Option, TensorCost, _nbytes, candidates
+from k3lab.pipeline.quantizing.costs import Option, TensorCost, candidates
+from k3lab.pipeline.quantizing.variant_notes import tensor_bytes
 
 _LAYER = re.compile(r"^blk\.\d+\.")
 
@@ -64,8 +65,8 @@ def foretold(
                     f"{f.filename}: tensor {t.name}: no {kind(t.name)} among the measured tables"
                 )
             weights = math.prod(t.ne) * (share if len(t.ne) > 2 else 1.0)
-            options = [Option(t.source_type, _nbytes(t.source_type, t.ne), 0.0)]
-            options += [Option(ty, _nbytes(ty, t.ne), rate[ty] * weights)
+            options = [Option(t.source_type, tensor_bytes(t.source_type, t.ne), 0.0)]
+            options += [Option(ty, tensor_bytes(ty, t.ne), rate[ty] * weights)
                         for ty in candidates(t.ne, True) if ty != t.source_type and ty in rate]  # fmt: skip
             tables.append(TensorCost(t.name, t.source_type, tuple(t.ne), options))
     return tables, fixed
